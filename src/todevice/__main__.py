@@ -1,0 +1,49 @@
+"""``python -m todevice info | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import optree
+import torch
+
+import todevice
+from todevice import _stream
+
+
+def info() -> None:
+    """What todevice sees on this machine."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    try:
+        torch.empty(1).pin_memory()
+        pinned = "yes"
+    except RuntimeError as err:
+        pinned = f"no ({str(err).splitlines()[0]})"
+    print(f"todevice {todevice.__version__}")
+    print(f"torch    {torch.__version__}")
+    print(f"optree   {optree.__version__}")
+    print(f"accelerators: {', '.join(_stream.available_devices()[1:-1]) or 'none'}")
+    print(f"pinned memory: {pinned}")
+    print(f"default device: {acc.type if acc is not None else 'cpu'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m todevice", description=todevice.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, accelerators, pinned memory and the default device")
+    bench = sub.add_parser("bench", help="time move() against the hand-written helper and the peers")
+    bench.add_argument("--rounds", type=int, default=7, help="interleaved rounds per cell (default 7)")
+    bench.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        info()
+    else:
+        from todevice import _bench
+
+        _bench.main(rounds=args.rounds, json_path=args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

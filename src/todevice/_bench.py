@@ -1,0 +1,187 @@
+"""The traversal benchmark: move() against the hand-written helper and the peers, in one run.
+
+Shipped inside the package so that ``python -m todevice bench`` works wherever todevice is
+installed; ``bench/bench_overhead.py`` runs the same code with more rounds and writes JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+import todevice
+
+
+def recursive_to_device(data: Any, device: Any) -> Any:
+    """The hand-written helper, as ../shared/seeds/002 writes it (the one every training loop has)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    elif isinstance(data, list):
+        return [recursive_to_device(item, device) for item in data]
+    elif isinstance(data, dict):
+        return {key: recursive_to_device(value, device) for key, value in data.items()}
+    else:
+        return data
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: torch.Tensor
+    name: str
+
+
+def nested_batch(n: int = 1000) -> dict[str, Any]:
+    """A nested batch of ``n`` small tensors: dicts, lists, a dataclass and non-tensor leaves."""
+    per_group = 9  # 111 groups of 9 tensors, plus the dataclass's tensors, make 1,000
+    groups = (n - 1) // per_group
+    batch: dict[str, Any] = {
+        f"feature_{i}": {
+            "values": [torch.randn(4) for _ in range(per_group - 2)],
+            "mask": torch.ones(4, dtype=torch.bool),
+            "ids": torch.arange(4),
+            "name": f"f{i}",
+            "count": i,
+        }
+        for i in range(groups)
+    }
+    batch["sample"] = Sample(torch.randn(3, 8, 8), torch.tensor(1), "s0")
+    extra = n - groups * per_group - 2
+    batch["extra"] = [torch.randn(2) for _ in range(extra)]
+    return batch
+
+
+def flat_batch(n: int = 1000) -> dict[str, torch.Tensor]:
+    return {f"t{i}": torch.randn(4) for i in range(n)}
+
+
+def count_tensors(tree: Any, device: torch.device) -> tuple[int, int]:
+    """(tensors on ``device``, all tensors), looking inside dataclasses too."""
+    leaves = optree.tree_leaves(tree, is_leaf=dataclasses.is_dataclass)
+    on, total = 0, 0
+    for leaf in leaves:
+        inner = [getattr(leaf, f.name) for f in dataclasses.fields(leaf)] if dataclasses.is_dataclass(leaf) else [leaf]
+        for t in inner:
+            if isinstance(t, torch.Tensor):
+                total += 1
+                on += t.device == device
+    return on, total
+
+
+def contenders() -> dict[str, Callable[[Any, torch.device], Any]]:
+    """Every function to time, by name; peers only when they are installed."""
+    found: dict[str, Callable[[Any, torch.device], Any]] = {
+        "todevice.move": lambda tree, dev: todevice.move(tree, dev),
+        "hand-written helper": recursive_to_device,
+        "optree.tree_map(.to)": lambda tree, dev: optree.tree_map(
+            lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, tree
+        ),
+    }
+    try:
+        from lightning_fabric.utilities.apply_func import move_data_to_device
+
+        found["Lightning move_data_to_device"] = move_data_to_device
+    except ImportError:
+        pass
+    try:
+        from accelerate.utils import send_to_device
+
+        found["accelerate send_to_device"] = send_to_device
+    except ImportError:
+        pass
+    return found
+
+
+def _sample(fn: Callable[[Any, torch.device], Any], tree: Any, dev: torch.device, number: int) -> float:
+    start = time.perf_counter()
+    for _ in range(number):
+        fn(tree, dev)
+    return (time.perf_counter() - start) / number
+
+
+def run(rounds: int = 15, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+    """Time every contender on every workload and target; interleaved rounds, medians."""
+    rng = random.Random(seed)
+    workloads = {"nested batch": nested_batch(n), "flat dict": flat_batch(n)}
+    targets = [torch.device("cpu"), torch.device("meta")]
+    funcs = contenders()
+    rows: list[dict[str, Any]] = []
+    for wname, tree in workloads.items():
+        for dev in targets:
+            moved = {name: count_tensors(fn(tree, dev), dev) for name, fn in funcs.items()}  # also warms up
+            times: dict[str, list[float]] = {name: [] for name in funcs}
+            gc.collect()
+            gc.disable()
+            try:
+                for _ in range(rounds):
+                    order = list(funcs)
+                    rng.shuffle(order)  # no contender always runs first, or right after another
+                    for name in order:
+                        times[name].append(_sample(funcs[name], tree, dev, number=5))
+            finally:
+                gc.enable()
+            base = statistics.median(times["todevice.move"])
+            for name in funcs:
+                med = statistics.median(times[name])
+                on, total = moved[name]
+                rows.append(
+                    {
+                        "workload": wname,
+                        "target": str(dev),
+                        "contender": name,
+                        "median_us": med * 1e6,
+                        "x_move_time": med / base,
+                        "tensors_on_target": on,
+                        "tensors": total,
+                    }
+                )
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table: one line per (workload, target, contender)."""
+    lines = [
+        "| workload | target | contender | median (us) | time / move() time | tensors on target |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['target']} | {r['contender']} | {r['median_us']:.0f} | "
+            f"{r['x_move_time']:.2f}x | {r['tensors_on_target']}/{r['tensors']} |"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "optree": optree.__version__,
+        "todevice": todevice.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(rounds: int = 15, json_path: str | None = None) -> list[dict[str, Any]]:
+    rows = run(rounds=rounds)
+    print(
+        "Traversal overhead, 1,000 tensors. 'cpu': tensors already there (pure traversal); "
+        "'meta': every tensor copied. Medians of interleaved rounds; lower time is better."
+    )
+    print(table(rows))
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+        print(f"wrote {json_path}")
+    return rows

@@ -1,0 +1,435 @@
+"""move(): the walk over a structure and the copy of each tensor."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.nn.utils.rnn import PackedSequence
+
+from todevice import _stream, _tree
+from todevice._stream import DeviceLike
+
+T = TypeVar("T")
+
+_Tensor = torch.Tensor
+_strided = torch.strided
+
+# Exact types the hot loop recognises without a cache lookup.
+_FAST_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+
+# Types whose .to() is known to return a new object and leave the original alone; any other
+# .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
+# PyG Data) move their contents in place and return self, which would mutate the input.
+_PURE_TO: frozenset[type] = frozenset({PackedSequence})
+
+_takes_non_blocking: dict[type, bool] = {}
+
+
+def _accepts_non_blocking(tp: type) -> bool:
+    known = _takes_non_blocking.get(tp)
+    if known is None:
+        try:
+            params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
+            known = any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
+        except (TypeError, ValueError):  # no signature (a C method): try it and see
+            known = True
+        _takes_non_blocking[tp] = known
+    return known
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same strides where they matter (a dimension of size 1 has any stride)."""
+    shape = a.shape
+    if shape != b.shape:
+        return False
+    return all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
+
+
+class _LeafError(Exception):
+    """Internal: carries the leaf whose move failed up to move(), which adds the path."""
+
+    def __init__(self, leaf: Any, err: BaseException) -> None:
+        super().__init__()
+        self.leaf = leaf
+        self.err = err
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"{type(leaf).__qualname__} of shape {tuple(leaf.shape)}, {leaf.dtype}, on {leaf.device}"
+    return type(leaf).__qualname__
+
+
+def _rewrap(err: BaseException, msg: str) -> BaseException:
+    """The same kind of error with the path in its message; the original stays as the cause."""
+    try:
+        new = type(err)(msg)
+    except Exception:
+        return err
+    return new if isinstance(new, BaseException) else err
+
+
+def _check_dtype(dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+        msg = (
+            f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only, as "
+            f"nn.Module.to() does, so dtype must be a floating-point or complex torch.dtype such as "
+            f"torch.float16. Cast integer tensors yourself with tensor.to(dtype)."
+        )
+        raise TypeError(msg)
+    return dtype
+
+
+# The walk, generated once per kind of "already in place" test and compiled.  The test runs inline
+# for every leaf of every dict, list and tuple: a function call per leaf costs as much as the rest
+# of the work on a leaf that stays where it is, and `t.is_cpu` is a third cheaper than
+# `t.device == dev`, so the test is written into the loop rather than called.
+_WALK_SOURCE = """
+def factory(copy, to, to_object, other, memo, by_ptr, dev, dtype, kind_of, atoms, _Tensor, _tree, _LeafError):
+    NODE, TENSOR, ATOM, TO = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.TO
+
+    def tensor(v):
+        return v if {here} else copy(v)
+
+    def walk(x):
+        tp = type(x)
+        if tp is _Tensor:
+            return tensor(x)
+        if tp in atoms:
+            return x
+        i = id(x)
+        hit = memo.get(i)
+        if hit is not None:
+            return hit[1]
+        if tp is dict:
+            out = {{k: {leaf} for k, v in x.items()}}
+        elif tp is list:
+            out = [{leaf} for v in x]
+        elif tp is tuple:
+            out = tuple([{leaf} for v in x])
+        else:
+            kind = kind_of(tp)
+            code = kind.code
+            if code == NODE:
+                children, aux = kind.flatten(x)
+                out = kind.unflatten(aux, [walk(c) for c in children])
+            elif code == TENSOR:
+                return tensor(x)
+            elif code == TO:
+                return to_object(x)
+            elif code == ATOM:
+                return x
+            else:
+                return other(x, code)
+        memo[i] = (x, out)
+        return out
+
+    return walk, tensor
+"""
+
+# One leaf of a dict, list or tuple, inline: a tensor in place costs no call at all.
+_LEAF_SOURCE = "((v if {here} else copy(v)) if type(v) is _Tensor else (v if type(v) in atoms else walk(v)))"
+
+_factories: dict[tuple[str, bool], Callable[..., Any]] = {}
+
+
+def _walker_factory(dev: torch.device, dtype: torch.dtype | None, plain_to: bool) -> Callable[..., Any]:
+    """The compiled walk for this target; ``here`` is the test that a leaf ``v`` needs no move."""
+    # For a meta target the test is skipped: .to() returns a tensor already on meta unchanged, and
+    # nearly every leaf sent to meta is a copy, for which the test would be pure cost.
+    where = {"cpu": "v.is_cpu", "meta": "False"}.get(dev.type, "v.device == dev")
+    if dtype is not None:
+        here = f"{where} and (v.dtype == dtype or not (v.is_floating_point() or v.is_complex()))"
+    else:
+        here = where
+    key = (here, plain_to)
+    factory = _factories.get(key)
+    if factory is None:
+        source = _WALK_SOURCE.format(here=here, leaf=_LEAF_SOURCE.format(here=here))
+        namespace: dict[str, Any] = {}
+        exec(compile(source, f"<todevice walk: {here}>", "exec"), namespace)
+        factory = _factories[key] = namespace["factory"]
+    return factory
+
+
+class _Mover:
+    """One call's state: the target, the options and the memo of what was moved already."""
+
+    def __init__(self, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, strict: bool) -> None:
+        self.dev = dev
+        self.non_blocking = non_blocking
+        self.dtype = dtype
+        self.strict = strict
+        # id(source) -> (source, result): keeps aliasing, and keeps sources alive so ids stay unique.
+        self.memo: dict[int, tuple[Any, Any]] = {}
+        # data_ptr -> (source, result), or a list of them once several tensors share the address:
+        # aliasing, and distinct tensors over the same memory. Tensors at address 0 use ``memo``.
+        self.by_ptr: dict[int, Any] = {}
+        self.unknown: list[Any] = []
+        self.wait_for: set[torch.device] = set()  # accelerators to sync before returning host tensors
+        self.wait_for_objects = False
+        self.to_host = dev.type == "cpu" and non_blocking
+        self.mps = dev.type == "mps"
+        self.walk, self.tensor = self._build()
+
+    def _build(self) -> tuple[Callable[[Any], Any], Callable[[torch.Tensor], torch.Tensor]]:
+        """The walk as closures: locals are the cheapest lookups Python has, and this is the hot loop."""
+        memo, by_ptr, dev, dtype = self.memo, self.by_ptr, self.dev, self.dtype
+        non_blocking, mps, to_host, wait_for = self.non_blocking, self.mps, self.to_host, self.wait_for
+        # .to(dev) parses fastest; non_blocking means nothing for a meta target.
+        plain_to = dtype is None and (not non_blocking or dev.type == "meta")
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            try:
+                if plain_to:
+                    plain: torch.Tensor = t.to(dev)
+                    return plain
+                cast = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+                nb = non_blocking
+                if mps and nb and not t.is_pinned():
+                    nb = False  # pageable-to-MPS async copies can return zeros (pytorch#83015)
+                out = t.to(dev, cast, non_blocking=nb)
+            except Exception as err:
+                raise _LeafError(t, err) from err
+            if to_host:
+                src_dev = t.device
+                if src_dev.type not in _stream.HOST_TYPES:
+                    wait_for.add(src_dev)
+            return out
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            """Move a tensor that is not in place, once, keeping aliasing and shared memory."""
+            try:
+                ptr = t.data_ptr()
+            except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
+                ptr = 0
+            if ptr:  # 0: meta and empty tensors own no memory
+                hit = by_ptr.get(ptr)
+                if hit is None:  # the common case: the first tensor at this address
+                    if plain_to:  # to(t), inlined: this runs once per tensor moved
+                        try:
+                            out = t.to(dev)
+                        except Exception as err:
+                            raise _LeafError(t, err) from err
+                    else:
+                        out = to(t)
+                    by_ptr[ptr] = (t, out)
+                    return out
+                # Rare from here on: another tensor over this address was moved already. The
+                # entry becomes a list of every (source, result) pair at the address.
+                entries: list[tuple[torch.Tensor, torch.Tensor]] = [hit] if type(hit) is tuple else hit
+                by_ptr[ptr] = entries
+                for src, done in entries:
+                    if src is t:
+                        return done
+                    # Distinct tensors over exactly the same memory (tied weights in a state_dict)
+                    # come out sharing memory too. Not for tensors requiring grad: a shared view
+                    # would route the gradient through the wrong source.
+                    if (
+                        type(t) is _Tensor
+                        and type(src) is _Tensor
+                        and not (t.requires_grad or src.requires_grad)
+                        and src.dtype == t.dtype
+                        and src.device == t.device
+                        and _same_layout(src, t)
+                    ):
+                        out = done.view(done.shape)
+                        entries.append((t, out))
+                        return out
+                out = to(t)
+                entries.append((t, out))
+                return out
+            seen = memo.get(id(t))
+            if seen is not None:
+                prior: torch.Tensor = seen[1]
+                return prior
+            out = to(t)
+            memo[id(t)] = (t, out)
+            return out
+
+        factory = _walker_factory(dev, dtype, plain_to)
+        args = (self.to_object, self.other, memo, by_ptr, dev, dtype, _tree.kind_of, _FAST_ATOMS, _Tensor, _tree)
+        walk, tensor = factory(copy, to, *args, _LeafError)
+        return walk, tensor
+
+    def to_object(self, obj: Any) -> Any:
+        hit = self.memo.get(id(obj))
+        if hit is not None:
+            return hit[1]
+        tp = type(obj)
+        non_blocking = self.non_blocking and not self.mps
+        try:
+            target = obj if tp in _PURE_TO else copy.copy(obj)
+        except Exception:
+            target = obj  # not copyable: its own .to() is all there is
+        try:
+            if _accepts_non_blocking(tp):
+                try:
+                    out = target.to(self.dev, non_blocking=non_blocking)
+                except TypeError as err:
+                    if "non_blocking" not in str(err):
+                        raise
+                    _takes_non_blocking[tp] = False
+                    out = target.to(self.dev)
+            else:
+                out = target.to(self.dev)
+        except Exception as err:
+            raise _LeafError(obj, err) from err
+        if self.to_host:
+            self.wait_for_objects = True
+        self.memo[id(obj)] = (obj, out)
+        return out
+
+    def other(self, obj: Any, code: int) -> Any:
+        if self.strict and code in (_tree.UNKNOWN, _tree.MODULE):
+            self.unknown.append(obj)
+        return obj
+
+    # ------------------------------------------------------------ the walk
+
+    def walk_iteratively(self, obj: Any) -> Any:
+        """The same walk with an explicit stack, for structures nested deeper than Python recursion."""
+        walk_leaf = self.walk  # used on leaves only, so it never recurses
+        memo = self.memo
+        result: list[Any] = []
+        # Frames: (node, kind, children, aux, next child index, results so far).
+        stack: list[list[Any]] = []
+
+        def enter(x: Any) -> bool:
+            """Push a frame for a container; move a leaf straight into ``result``."""
+            hit = memo.get(id(x))
+            if hit is not None:
+                result.append(hit[1])
+                return False
+            kind = _tree.kind_of(type(x))
+            if kind.code != _tree.NODE:
+                result.append(walk_leaf(x))
+                return False
+            children, aux = kind.flatten(x)  # type: ignore[misc]
+            stack.append([x, kind, children, aux, 0, []])
+            return True
+
+        enter(obj)
+        while stack:
+            frame = stack[-1]
+            x, kind, children, aux, k, done = frame
+            if k < len(children):
+                frame[4] = k + 1
+                if not enter(children[k]):
+                    done.append(result.pop())
+                continue
+            stack.pop()
+            out = kind.unflatten(aux, done)
+            memo[id(x)] = (x, out)
+            if stack:
+                stack[-1][5].append(out)
+            else:
+                result.append(out)
+        return result[0]
+
+    def finish(self) -> None:
+        """Wait for device-to-host copies, so the caller never reads unfinished data."""
+        for src in self.wait_for:
+            _stream.synchronize(src)
+        if self.wait_for_objects:
+            _stream.synchronize_accelerator()
+
+
+def move(
+    obj: T,
+    device: DeviceLike,
+    /,
+    *,
+    non_blocking: bool = True,
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+) -> T:
+    """Move every tensor in a nested structure to ``device``; containers and other values are kept.
+
+    Each tensor leaf ``t`` becomes what ``t.to(device, non_blocking=non_blocking)`` gives (a tensor
+    already there comes back as the same object), every container comes back as a new container of
+    the same type, and every other value comes back as the very same object.  ``obj`` is never
+    mutated.  A tensor reached twice is moved once, and distinct tensors over the same memory (tied
+    weights) still share memory afterwards.
+
+    Example:
+        >>> import torch, todevice
+        >>> batch = {"x": torch.ones(2, 3), "meta": ["id-7", (torch.zeros(2), 3)]}
+        >>> out = todevice.move(batch, "meta")
+        >>> out["x"].device, out["meta"][0], type(out["meta"][1]).__name__
+        (device(type='meta'), 'id-7', 'tuple')
+
+    Args:
+        obj: A tensor, or any nesting of dicts (including OrderedDict and defaultdict), lists,
+            tuples, namedtuples, deques, sets, dataclasses, dict and list subclasses, types
+            registered with :func:`todevice.register`, and objects with their own ``.to()``.
+        device: Target device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``, or an int
+            (an index of the current accelerator).
+        non_blocking: Let host-to-accelerator copies run asynchronously.  Copies that land in host
+            memory are waited for before ``move()`` returns, so results are always safe to read.
+        dtype: Cast floating-point and complex tensors to this dtype on the way (as
+            ``nn.Module.to(dtype)`` does); integer and bool tensors keep theirs.
+        strict: Raise instead of passing through objects todevice does not understand.
+
+    Returns:
+        A structure of the same shape and container types as ``obj``, its tensors on ``device``.
+
+    Raises:
+        ValueError: ``device`` is not a valid or available device (before anything is copied), or
+            ``obj`` contains itself.
+        TypeError: ``device`` or ``dtype`` has the wrong type, or ``strict=True`` and ``obj`` holds
+            objects that are not tensors, containers, ``.to()`` objects or atomic values.
+
+    .. versionadded:: 0.1.0
+    """
+    dev = _stream.resolve_device(device)
+    if dtype is not None:
+        _check_dtype(dtype)
+    mover = _Mover(dev, non_blocking, dtype, strict)
+    try:
+        try:
+            out = mover.walk(obj)
+        except RecursionError as err:
+            try:
+                # Shared sub-trees are moved once via the memo, so what was done stays done.
+                out = _deep(mover, obj)
+            except _tree.CycleError as cycle:
+                raise ValueError(_tree.cycle_message(cycle)) from err
+    except _LeafError as failure:
+        leaf, cause = failure.leaf, failure.err
+        where = _tree.format_path(_tree.find_path(obj, leaf) or "")
+        msg = f"Cannot move {where} ({_describe(leaf)}) to {dev}: {cause}"
+        raise _rewrap(cause, msg) from cause
+    if mover.unknown:
+        raise TypeError(_strict_message(obj, mover.unknown))
+    mover.finish()
+    return out  # type: ignore[no-any-return]
+
+
+def _deep(mover: _Mover, obj: Any) -> Any:
+    """Fallback for deep nesting: check for a cycle first (it would never end), then walk with a stack."""
+    for _ in _tree.walk_paths(obj):  # raises CycleError on a cycle
+        pass
+    return mover.walk_iteratively(obj)
+
+
+def _strict_message(obj: Any, unknown: list[Any]) -> str:
+    ids = {id(u) for u in unknown}
+    found: list[str] = []
+    for path, node in _tree.walk_paths(obj):
+        if id(node) in ids:
+            hint = " (an nn.Module: move it with module.to(device))" if isinstance(node, torch.nn.Module) else ""
+            found.append(f"  {_tree.format_path(path)}: {type(node).__qualname__}{hint}")
+    shown = found[:20]
+    if len(found) > len(shown):
+        shown.append(f"  ... and {len(found) - len(shown)} more")
+    listing = "\n".join(shown)
+    return (
+        f"Cannot move {len(found)} object(s) with strict=True: they are not tensors, containers, objects "
+        f"with .to() or atomic values:\n{listing}\n"
+        f"Register their types with todevice.register(), or pass strict=False to leave them as they are."
+    )

@@ -1,0 +1,102 @@
+"""Devices, device-agnostic: checking a target before anything is copied, and waiting for copies."""
+
+from __future__ import annotations
+
+import types
+from typing import Union
+
+import torch
+
+DeviceLike = Union[str, int, torch.device]
+
+# Devices that always exist and never need a wait.
+HOST_TYPES = frozenset({"cpu", "meta"})
+
+_resolved: dict[object, torch.device] = {}
+
+
+def _backend(device_type: str) -> types.ModuleType | None:
+    """torch.cuda, torch.xpu, torch.mps, or a PrivateUse1 backend's module, when there is one."""
+    mod = getattr(torch, device_type, None)
+    return mod if isinstance(mod, types.ModuleType) else None
+
+
+def available_devices() -> list[str]:
+    """Device types usable on this machine, for messages and ``python -m todevice info``."""
+    found = ["cpu", "meta"]
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None:
+        count = torch.accelerator.device_count()
+        found[1:1] = [f"{acc.type}:{i}" for i in range(count)]
+    return found
+
+
+def _invalid(device: object, why: str) -> ValueError:
+    msg = f"Cannot move to device {device!r}: {why} Devices here: {', '.join(available_devices())}."
+    return ValueError(msg)
+
+
+def _check(device: object) -> torch.device:
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        msg = (
+            f"Cannot move to device {device!r}: expected a str, an int or a torch.device, "
+            f"got {type(device).__qualname__}. Pass e.g. 'cuda', 'cuda:1', 0 or torch.device('cpu')."
+        )
+        raise TypeError(msg)
+    if isinstance(device, int):
+        if device < 0:
+            raise _invalid(device, "a device index cannot be negative.")
+        if not torch.accelerator.is_available():
+            raise _invalid(device, "an integer names an accelerator, and this machine has none.")
+        acc = torch.accelerator.current_accelerator()
+        assert acc is not None
+        dev = torch.device(acc.type, device)
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as err:
+            raise _invalid(device, "PyTorch does not know this device string.") from err
+    else:
+        dev = device
+    if dev.type in HOST_TYPES:
+        return dev
+    mod = _backend(dev.type)
+    if mod is None:
+        return dev  # a device type without a Python backend module: torch checks it at copy time
+    is_available = getattr(mod, "is_available", None)
+    if callable(is_available) and not is_available():
+        raise _invalid(device, f"{dev.type} is not available on this machine.")
+    device_count = getattr(mod, "device_count", None)
+    if dev.index is not None and callable(device_count) and dev.index >= device_count():
+        raise _invalid(device, f"there are {device_count()} {dev.type} devices here.")
+    return dev
+
+
+def resolve_device(device: DeviceLike) -> torch.device:
+    """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached."""
+    if type(device) is not bool:  # True == 1 as a dict key
+        try:
+            return _resolved[device]
+        except (KeyError, TypeError):
+            pass
+    dev = _check(device)
+    _resolved[device] = dev
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on ``device``'s current stream has finished."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None and acc.type == device.type:
+        torch.accelerator.current_stream(device).synchronize()
+        return
+    mod = _backend(device.type)
+    sync = getattr(mod, "synchronize", None)
+    if callable(sync):
+        sync()
+
+
+def synchronize_accelerator() -> None:
+    """Wait for the current accelerator, if there is one (used where the source device is unknown)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()

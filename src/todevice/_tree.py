@@ -1,0 +1,467 @@
+"""Container rules: which objects are trees, how they come apart and go back together, and paths.
+
+Every type is classified once and the answer cached in ``_kinds`` (cleared on each registration
+change).  A container kind is a pair of functions in optree's convention,
+``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, plus ``entry(aux, i)``
+which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``).  The movers in
+``_move`` and the diagnostics here share these functions, so every rule is written once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+NAMESPACE = "todevice"
+
+# Kinds of object, as the walkers see them.
+TENSOR = 0  # a torch.Tensor (or subclass): moved with .to()
+ATOM = 1  # a value with nothing inside to move: kept as the very same object
+NODE = 2  # a container: flattened, its children moved, rebuilt
+TO = 3  # an object with its own .to(): moved through it
+MODULE = 4  # an nn.Module: left as it is (its .to() moves in place, mutating the input)
+UNKNOWN = 5  # anything else: passed through, or reported under strict=True
+
+Flatten = Callable[[Any], tuple[Any, Any]]
+Unflatten = Callable[[Any, Any], Any]
+
+
+class Kind(NamedTuple):
+    """How one type is handled; cached per type."""
+
+    code: int
+    flatten: Flatten | None = None
+    unflatten: Unflatten | None = None
+    entry: Callable[[Any, int], str] | None = None
+
+
+_ATOMIC_EXACT: frozenset[type] = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        bytes,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+        torch.Size,
+        range,
+        slice,
+        type(Ellipsis),
+    }
+)
+_ATOMIC_BASES: tuple[type, ...] = (int, float, complex, str, bytes, enum.Enum, torch.Size)
+
+
+def _is_atomic_type(tp: type) -> bool:
+    if tp in _ATOMIC_EXACT or issubclass(tp, _ATOMIC_BASES):
+        return True
+    numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
+    return numpy is not None and issubclass(tp, numpy.generic)
+
+
+# ---------------------------------------------------------------- built-in containers
+
+
+def _index_entry(aux: Any, i: int) -> str:
+    return f"[{i}]"
+
+
+def _key_entry(aux: Any, i: int) -> str:
+    return f"[{aux[-1][i]!r}]"
+
+
+def _dict_flatten(d: dict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+    return list(d.values()), (list(d),)
+
+
+def _dict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> dict[Any, Any]:
+    return dict(zip(aux[0], children))
+
+
+def _ordereddict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> collections.OrderedDict[Any, Any]:
+    return collections.OrderedDict(zip(aux[0], children))
+
+
+def _defaultdict_flatten(d: collections.defaultdict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+    return list(d.values()), (d.default_factory, list(d))
+
+
+def _defaultdict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> collections.defaultdict[Any, Any]:
+    return collections.defaultdict(aux[0], zip(aux[1], children))
+
+
+def _seq_flatten(s: Any) -> tuple[list[Any], None]:
+    return list(s), None
+
+
+def _deque_flatten(d: collections.deque[Any]) -> tuple[list[Any], int | None]:
+    return list(d), d.maxlen
+
+
+def _deque_unflatten(maxlen: int | None, children: list[Any]) -> collections.deque[Any]:
+    return collections.deque(children, maxlen=maxlen)
+
+
+def _set_entry(aux: Any, i: int) -> str:
+    # Sets have no keys; name the element by its place in iteration order.
+    return f"{{{i}}}"
+
+
+_BUILTIN: dict[type, Kind] = {
+    dict: Kind(NODE, _dict_flatten, _dict_unflatten, _key_entry),
+    collections.OrderedDict: Kind(NODE, _dict_flatten, _ordereddict_unflatten, _key_entry),
+    collections.defaultdict: Kind(NODE, _defaultdict_flatten, _defaultdict_unflatten, _key_entry),
+    list: Kind(NODE, _seq_flatten, lambda aux, ch: ch, _index_entry),
+    tuple: Kind(NODE, _seq_flatten, lambda aux, ch: tuple(ch), _index_entry),
+    collections.deque: Kind(NODE, _deque_flatten, _deque_unflatten, _index_entry),
+    set: Kind(NODE, _seq_flatten, lambda aux, ch: set(ch), _set_entry),
+    frozenset: Kind(NODE, _seq_flatten, lambda aux, ch: frozenset(ch), _set_entry),
+}
+
+# ---------------------------------------------------------------- namedtuples and structseqs
+
+
+def _namedtuple_flatten(t: tuple[Any, ...]) -> tuple[list[Any], type]:
+    return list(t), type(t)
+
+
+def _namedtuple_unflatten(tp: type, children: list[Any]) -> Any:
+    return tp(*children)
+
+
+def _field_entry(aux: Any, i: int) -> str:
+    return f".{aux._fields[i]}"
+
+
+def _structseq_unflatten(tp: type, children: list[Any]) -> Any:
+    return tp(children)
+
+
+# ---------------------------------------------------------------- dataclasses, dict and list subclasses
+
+
+class _ObjectAux(NamedTuple):
+    source: Any  # the original object, whose type and instance attributes the copy keeps
+    fields: list[str]  # dataclass fields present on the object, moved
+    keys: list[Any] | None  # dict keys (dict subclasses), or None
+    base: type | None  # the built-in container base (dict, OrderedDict, defaultdict, list), or None
+
+
+def _object_flatten(obj: Any) -> tuple[list[Any], _ObjectAux]:
+    tp = type(obj)
+    children: list[Any] = []
+    fields: list[str] = []
+    if dataclasses.is_dataclass(tp):
+        missing = object()
+        for f in dataclasses.fields(tp):
+            value = getattr(obj, f.name, missing)
+            if value is not missing:  # an init=False field never set stays unset
+                fields.append(f.name)
+                children.append(value)
+    base = _container_base(tp)
+    keys: list[Any] | None = None
+    if base is not None and issubclass(base, dict):
+        keys = list(dict.keys(obj))
+        children.extend(dict.__getitem__(obj, k) for k in keys)
+    elif base is list:
+        children.extend(list.__iter__(obj))
+    return children, _ObjectAux(obj, fields, keys, base)
+
+
+def _instance_attributes(obj: Any) -> Iterator[tuple[str, Any]]:
+    state = getattr(obj, "__dict__", None)
+    if state is not None:
+        yield from state.items()
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:
+                yield name, object.__getattribute__(obj, name)
+            except AttributeError:
+                continue
+
+
+def _object_unflatten(aux: _ObjectAux, children: list[Any]) -> Any:
+    src = aux.source
+    tp: Any = type(src)
+    # A copy that is never passed through __init__ or __setitem__: the constructor of a
+    # subclass may want other arguments, and frozen dataclasses refuse setattr.
+    new = tp.__new__(tp)
+    for name, value in _instance_attributes(src):
+        object.__setattr__(new, name, value)
+    n = len(aux.fields)
+    for name, value in zip(aux.fields, children[:n]):
+        object.__setattr__(new, name, value)
+    rest = children[n:]
+    if aux.base is collections.defaultdict:
+        new.default_factory = src.default_factory
+    if aux.keys is not None:
+        setitem = collections.OrderedDict.__setitem__ if aux.base is collections.OrderedDict else dict.__setitem__
+        for k, v in zip(aux.keys, rest):
+            setitem(new, k, v)
+    elif aux.base is list:
+        list.extend(new, rest)
+    return new
+
+
+def _object_entry(aux: _ObjectAux, i: int) -> str:
+    n = len(aux.fields)
+    if i < n:
+        return f".{aux.fields[i]}"
+    if aux.keys is not None:
+        return f"[{aux.keys[i - n]!r}]"
+    return f"[{i - n}]"
+
+
+def _container_base(tp: type) -> type | None:
+    for base in (collections.defaultdict, collections.OrderedDict, dict, list):
+        if issubclass(tp, base):
+            return base
+    return None
+
+
+# ---------------------------------------------------------------- the registry
+
+
+class _Registered(NamedTuple):
+    flatten: Flatten
+    unflatten: Unflatten
+
+
+_lock = threading.Lock()
+_registry: dict[type, _Registered] = {}
+_kinds: dict[type, Kind] = {}
+
+
+def _registered_flatten(flatten: Flatten) -> Flatten:
+    def run(obj: Any) -> tuple[list[Any], Any]:
+        out = flatten(obj)
+        children, aux = out[0], out[1]
+        entries = out[2] if len(out) > 2 else None
+        return list(children), (aux, entries)
+
+    return run
+
+
+def _registered_unflatten(unflatten: Unflatten) -> Unflatten:
+    return lambda aux, children: unflatten(aux[0], children)
+
+
+def _registered_entry(aux: Any, i: int) -> str:
+    entries = aux[1]
+    return f"[{entries[i]!r}]" if entries is not None else f"[{i}]"
+
+
+def _check_registration(cls: object, flatten: object, unflatten: object) -> None:
+    if not isinstance(cls, type):
+        msg = f"Cannot register {cls!r}: expected a class, got {type(cls).__qualname__}. Pass the class itself."
+        raise TypeError(msg)
+    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
+        if not callable(fn):
+            msg = f"Cannot register {cls.__qualname__}: {name} must be callable, got {type(fn).__qualname__}."
+            raise TypeError(msg)
+
+
+def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
+    """Teach :func:`todevice.move` a container type.
+
+    ``flatten(obj)`` returns ``(children, aux)``: the values to move and whatever else is needed to
+    rebuild the object; ``unflatten(aux, children)`` builds the object back from moved children.
+    This is optree's convention, and the registration lives in todevice's own optree namespace
+    (``"todevice"``), so optree and torch pytree behave as before for every other library.
+    Registration is by exact type, takes precedence over every built-in rule and is thread-safe.
+
+    Example:
+        >>> import torch, todevice
+        >>> class Pair:
+        ...     def __init__(self, a, b):
+        ...         self.a, self.b = a, b
+        >>> todevice.register(Pair, lambda p: ((p.a, p.b), None), lambda aux, ch: Pair(*ch))
+        >>> moved = todevice.move(Pair(torch.ones(1), 2), "meta")
+        >>> moved.a.device, moved.b
+        (device(type='meta'), 2)
+        >>> todevice.unregister(Pair)
+
+    Args:
+        cls: The class to register.
+        flatten: ``flatten(obj) -> (children, aux)``; may also return ``(children, aux, entries)``,
+            where ``entries`` name the children in error messages.
+        unflatten: ``unflatten(aux, children) -> obj``.
+
+    Raises:
+        TypeError: ``cls`` is not a class, or ``flatten``/``unflatten`` are not callable.
+        ValueError: ``cls`` is already registered, or is a built-in container.
+
+    .. versionadded:: 0.1.0
+    """
+    _check_registration(cls, flatten, unflatten)
+    if cls in _BUILTIN or cls is torch.Tensor:
+        msg = (
+            f"Cannot register {cls.__qualname__}: it is a built-in type that todevice already handles. "
+            f"Register a subclass of it instead."
+        )
+        raise ValueError(msg)
+    with _lock:
+        if cls in _registry:
+            msg = (
+                f"Cannot register {cls.__qualname__}: it is already registered with todevice. "
+                f"Call todevice.unregister({cls.__qualname__}) first to replace it."
+            )
+            raise ValueError(msg)
+        with warnings.catch_warnings():
+            # optree warns when a namespace overrides its namedtuple rule; here that is the point.
+            warnings.simplefilter("ignore", UserWarning)
+            optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+        _registry[cls] = _Registered(flatten, unflatten)
+        _kinds.clear()
+
+
+def unregister(cls: type, /) -> None:
+    """Remove a registration made with :func:`todevice.register`.
+
+    Example:
+        >>> import todevice
+        >>> class Box:
+        ...     pass
+        >>> todevice.register(Box, lambda b: ((), None), lambda aux, ch: Box())
+        >>> todevice.unregister(Box)
+
+    Raises:
+        ValueError: ``cls`` is not registered.
+
+    .. versionadded:: 0.1.0
+    """
+    with _lock:
+        if cls not in _registry:
+            name = getattr(cls, "__qualname__", repr(cls))
+            msg = f"Cannot unregister {name}: it is not registered with todevice."
+            raise ValueError(msg)
+        optree.unregister_pytree_node(cls, namespace=NAMESPACE)
+        del _registry[cls]
+        _kinds.clear()
+
+
+# ---------------------------------------------------------------- classification
+
+
+def _has_to(tp: type) -> bool:
+    return callable(getattr(tp, "to", None))
+
+
+def _classify(tp: type) -> Kind:
+    reg = _registry.get(tp)
+    if reg is not None:
+        return Kind(NODE, _registered_flatten(reg.flatten), _registered_unflatten(reg.unflatten), _registered_entry)
+    builtin = _BUILTIN.get(tp)
+    if builtin is not None:
+        return builtin
+    if issubclass(tp, torch.Tensor):
+        return Kind(TENSOR)
+    if _is_atomic_type(tp):
+        return Kind(ATOM)
+    if issubclass(tp, torch.nn.Module):
+        return Kind(MODULE)
+    if _has_to(tp):
+        return Kind(TO)
+    if issubclass(tp, tuple) and hasattr(tp, "_fields"):
+        return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
+    if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
+        return Kind(NODE, _namedtuple_flatten, _structseq_unflatten, _index_entry)
+    if dataclasses.is_dataclass(tp) or _container_base(tp) is not None:
+        return Kind(NODE, _object_flatten, _object_unflatten, _object_entry)
+    return Kind(UNKNOWN)
+
+
+def kind_of(tp: type) -> Kind:
+    """The cached classification of ``tp``."""
+    kind = _kinds.get(tp)
+    if kind is None:
+        with _lock:
+            kind = _classify(tp)
+            _kinds[tp] = kind
+    return kind
+
+
+# ---------------------------------------------------------------- paths and diagnostics
+
+
+def format_path(path: str) -> str:
+    """A path for messages; the root object itself has the empty path."""
+    return path if path else "the top level"
+
+
+def walk_paths(obj: Any) -> Iterator[tuple[str, Any]]:
+    """Every (path, object) pair below ``obj``, depth first, without recursion.
+
+    A container reached more than once is walked once; a container that contains itself raises
+    ``CycleError`` with the path of the repeat.
+    """
+    stack: list[tuple[str, Any, bool]] = [("", obj, False)]
+    on_path: dict[int, str] = {}
+    done: set[int] = set()
+    while stack:
+        path, node, leaving = stack.pop()
+        if leaving:
+            del on_path[id(node)]
+            done.add(id(node))
+            continue
+        yield path, node
+        kind = kind_of(type(node))
+        if kind.code != NODE:
+            continue
+        i = id(node)
+        if i in on_path:
+            raise CycleError(on_path[i], path, node)
+        if i in done:
+            continue
+        on_path[i] = path
+        stack.append((path, node, True))
+        assert kind.flatten is not None and kind.entry is not None
+        children, aux = kind.flatten(node)
+        for j in range(len(children) - 1, -1, -1):
+            stack.append((path + kind.entry(aux, j), children[j], False))
+
+
+class CycleError(Exception):
+    """Internal: raised by ``walk_paths`` where a container contains itself."""
+
+    def __init__(self, first: str, repeat: str, node: Any) -> None:
+        super().__init__(repeat)
+        self.first = first
+        self.repeat = repeat
+        self.node = node
+
+
+def find_path(obj: Any, target: Any) -> str | None:
+    """The first path at which ``target`` (by identity) sits inside ``obj``."""
+    try:
+        for path, node in walk_paths(obj):
+            if node is target:
+                return path
+    except CycleError:
+        pass
+    return None
+
+
+def cycle_message(err: CycleError) -> str:
+    return (
+        f"Cannot move a cyclic structure: the {type(err.node).__qualname__} at {format_path(err.first)} "
+        f"contains itself at {err.repeat}. todevice.move() walks trees and shared sub-trees, not cycles; "
+        f"break the cycle (or register the type with a flatten that skips the back reference)."
+    )

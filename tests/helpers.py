@@ -1,0 +1,259 @@
+"""Test support: container types, a plain reference move(), tree comparison and an edge-case corpus."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+@dataclasses.dataclass
+class Record:
+    a: Any
+    b: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenRecord:
+    a: Any
+    b: Any = None
+
+
+@dataclasses.dataclass(slots=True)
+class SlotRecord:
+    a: Any
+    b: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FrozenSlotRecord:
+    a: Any
+    b: Any = None
+
+
+@dataclasses.dataclass
+class LateRecord:
+    """A dataclass with a field outside __init__, set after construction."""
+
+    a: Any
+    late: Any = dataclasses.field(init=False, default=None)
+
+
+class TaggedDict(dict):  # type: ignore[type-arg]
+    """A dict subclass whose constructor wants an extra argument, and which carries state."""
+
+    def __init__(self, tag: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+class TaggedList(list):  # type: ignore[type-arg]
+    def __init__(self, tag: str, items: Any = ()) -> None:
+        super().__init__(items)
+        self.tag = tag
+
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+DATACLASSES = (Record, FrozenRecord, SlotRecord, FrozenSlotRecord)
+
+
+def make_late(a: Any, late: Any) -> LateRecord:
+    r = LateRecord(a)
+    r.late = late
+    return r
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> Any:
+    """What move() must give, written as plainly as possible (no speed, no aliasing tricks)."""
+    memo: dict[int, Any] = {}
+
+    def go(x: Any) -> Any:
+        if id(x) in memo:
+            return memo[id(x)]
+        out = one(x)
+        memo[id(x)] = out
+        return out
+
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            cast = dtype if dtype is not None and (x.is_floating_point() or x.is_complex()) else None
+            return x.to(device, cast)
+        tp = type(x)
+        if tp is dict:
+            return {k: go(v) for k, v in x.items()}
+        if tp is collections.OrderedDict:
+            return collections.OrderedDict((k, go(v)) for k, v in x.items())
+        if tp is collections.defaultdict:
+            return collections.defaultdict(x.default_factory, {k: go(v) for k, v in x.items()})
+        if tp is list:
+            return [go(v) for v in x]
+        if tp is tuple:
+            return tuple(go(v) for v in x)
+        if tp is collections.deque:
+            return collections.deque((go(v) for v in x), maxlen=x.maxlen)
+        if tp is set:
+            return {go(v) for v in x}
+        if tp is frozenset:
+            return frozenset(go(v) for v in x)
+        if isinstance(x, torch.nn.Module):
+            return x
+        if hasattr(tp, "to"):
+            return x.to(device)
+        if isinstance(x, tuple) and hasattr(tp, "_fields"):
+            return tp(*(go(v) for v in x))
+        if tp is LateRecord:
+            return make_late(go(x.a), go(x.late))
+        if dataclasses.is_dataclass(x):
+            return tp(**{f.name: go(getattr(x, f.name)) for f in dataclasses.fields(x)})
+        if tp is TaggedDict:
+            return TaggedDict(x.tag, {k: go(v) for k, v in x.items()})
+        if tp is TaggedList:
+            return TaggedList(x.tag, [go(v) for v in x])
+        return x
+
+    return go(obj)
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (type(t), t.device, t.dtype, tuple(t.shape), t.requires_grad)
+
+
+def assert_same_tree(actual: Any, expected: Any, path: str = "", *, values: bool = False) -> None:
+    """Structure, container types and leaves agree; tensors by device, dtype, shape and requires_grad
+    (and values when asked); every other leaf by identity."""
+    assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, torch.Tensor):
+        assert tensor_signature(actual) == tensor_signature(expected), f"{path}"
+        if values:
+            assert torch.equal(actual.detach(), expected.detach()), f"{path}: values differ"
+        return
+    if isinstance(expected, (dict,)):
+        assert list(actual.keys()) == list(expected.keys()), f"{path}: keys"
+        if isinstance(expected, collections.defaultdict):
+            assert actual.default_factory is expected.default_factory
+        for k in expected:
+            assert_same_tree(actual[k], expected[k], f"{path}[{k!r}]", values=values)
+        if hasattr(expected, "__dict__"):
+            assert actual.__dict__.keys() == expected.__dict__.keys()
+        return
+    if isinstance(expected, (list, tuple, collections.deque)):
+        assert len(actual) == len(expected), f"{path}: length"
+        if isinstance(expected, collections.deque):
+            assert actual.maxlen == expected.maxlen
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_tree(a, e, f"{path}[{i}]", values=values)
+        if hasattr(expected, "__dict__") and not isinstance(expected, tuple):
+            assert actual.__dict__ == expected.__dict__
+        return
+    if isinstance(expected, (set, frozenset)):
+        # Elements are moved one for one: compare the multisets of what they are.
+        def key(v: Any) -> Any:
+            return tensor_signature(v) if isinstance(v, torch.Tensor) else ("atom", id(v))
+
+        assert sorted(map(repr, map(key, actual))) == sorted(map(repr, map(key, expected))), path
+        return
+    if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
+        for f in dataclasses.fields(expected):
+            assert_same_tree(getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}", values=values)
+        return
+    assert actual is expected, f"{path}: {actual!r} is not {expected!r}"
+
+
+def snapshot(obj: Any) -> Any:
+    """Everything about a tree that move() must not change: structure, identities, tensor contents."""
+    seen: set[int] = set()
+
+    def go(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            data = x.detach().clone() if x.device.type != "meta" else None
+            return ("tensor", id(x), x._version, x.device, x.dtype, tuple(x.shape), x.requires_grad, data)
+        if id(x) in seen:
+            return ("seen", id(x))
+        seen.add(id(x))
+        if isinstance(x, dict):
+            return ("dict", id(x), type(x), [(k, go(v)) for k, v in x.items()], dict(getattr(x, "__dict__", {})))
+        if isinstance(x, (list, tuple, collections.deque)):
+            return ("seq", id(x), type(x), [go(v) for v in x])
+        if isinstance(x, (set, frozenset)):
+            return ("set", id(x), type(x), sorted(id(v) for v in x))
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return ("dc", id(x), type(x), [go(getattr(x, f.name, None)) for f in dataclasses.fields(x)])
+        return ("leaf", id(x))
+
+    return go(obj)
+
+
+def assert_snapshot_equal(before: Any, after: Any) -> None:
+    def eq(a: Any, b: Any) -> None:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            assert torch.equal(a, b)
+        elif isinstance(a, (list, tuple)):
+            assert type(a) is type(b) and len(a) == len(b), (a, b)
+            for x, y in zip(a, b):
+                eq(x, y)
+        elif isinstance(a, dict):
+            assert a.keys() == b.keys()
+            for k in a:
+                eq(a[k], b[k])
+        else:
+            assert a == b, (a, b)
+
+    eq(before, after)
+
+
+# ---------------------------------------------------------------- the corpus
+
+
+def corpus() -> dict[str, Any]:
+    """Edge-case trees by readable id, for pytest.mark.parametrize."""
+    t = torch.arange(6.0).reshape(2, 3)
+    return {
+        "tensor": t,
+        "empty-dict": {},
+        "empty-list": [],
+        "none": None,
+        "zero-dim": torch.tensor(3.5),
+        "empty-tensor": torch.empty(0, 4),
+        "non-contiguous": t.t(),
+        "strided-view": torch.arange(10.0)[::3],
+        "bool-int-complex": [torch.ones(2, dtype=torch.bool), torch.arange(3), torch.ones(2, dtype=torch.complex64)],
+        "bfloat16": torch.ones(3, dtype=torch.bfloat16),
+        "requires-grad": torch.ones(2, requires_grad=True),
+        "nested": {"x": [t, {"y": (t + 1, "label", 3)}], "z": None},
+        "ordereddict": collections.OrderedDict([("b", t), ("a", 1)]),
+        "defaultdict": collections.defaultdict(list, {"k": t}),
+        "namedtuple": Point(t, "p"),
+        "deque": collections.deque([t, 1], maxlen=5),
+        "set": {1, "a", t},
+        "frozenset": frozenset({2, t}),
+        "dataclass": Record(t, [t + 2]),
+        "frozen-dataclass": FrozenRecord(t, {"k": t}),
+        "slots-dataclass": SlotRecord(t),
+        "frozen-slots-dataclass": FrozenSlotRecord(t, (t,)),
+        "init-false-field": make_late(t, t * 2),
+        "dict-subclass": TaggedDict("tag", {"a": t}),
+        "list-subclass": TaggedList("tag", [t, 2]),
+        "atoms": [1, 2.5, 1 + 2j, "s", b"b", True, None, Color.RED, torch.float16, torch.device("cpu")],
+        "parameter": torch.nn.Parameter(torch.ones(2)),
+        "module-inside": {"m": torch.nn.Linear(2, 2), "x": t},
+        "tuple-of-tuples": ((t,), ((t + 1,),)),
+    }

@@ -1,0 +1,669 @@
+"""move(): properties against the reference, and one explicit case per rule of the core issue."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import todevice
+from tests import helpers, strategies
+from todevice import _move
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+CORPUS = helpers.corpus()
+
+# Casting complex tensors to a real dtype warns in torch (and in nn.Module.to), by design: the
+# random trees hold complex tensors and the dtype tests cast them.
+pytestmark = pytest.mark.filterwarnings("ignore:Casting complex values to real discards:UserWarning")
+
+hypothesis_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------- properties
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_meta_matches_reference(tree: Any) -> None:
+    helpers.assert_same_tree(todevice.move(tree, "meta"), helpers.reference_move(tree, "meta"))
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_cpu_keeps_every_value(tree: Any) -> None:
+    helpers.assert_same_tree(todevice.move(tree, "cpu"), helpers.reference_move(tree, "cpu"), values=True)
+
+
+@hypothesis_settings
+@given(strategies.trees, strategies.st.sampled_from([torch.float64, torch.float16, torch.complex128]))
+def test_dtype_cast_matches_reference(tree: Any, st_dtype: torch.dtype) -> None:
+    actual = todevice.move(tree, "cpu", dtype=st_dtype)
+    expected = helpers.reference_move(tree, "cpu", st_dtype)
+    helpers.assert_same_tree(actual, expected, values=True)
+
+
+@hypothesis_settings
+@given(strategies.trees, strategies.st.sampled_from(["meta", "cpu"]))
+def test_input_is_never_mutated(tree: Any, device: str) -> None:
+    before = helpers.snapshot(tree)
+    todevice.move(tree, device, dtype=torch.float64)
+    todevice.move(tree, device)
+    helpers.assert_snapshot_equal(before, helpers.snapshot(tree))
+
+
+@hypothesis_settings
+@given(strategies.trees_with_aliases())
+def test_aliases_and_shared_memory_survive(tree: Any) -> None:
+    out = todevice.move(tree, "cpu", dtype=torch.float64)
+    a, b = out["aliases"]
+    assert a is b
+    t1, t2 = out["tied"]
+    if t1.numel() and (t1.is_floating_point() or t1.is_complex()):
+        assert t1 is not t2
+        assert t1.data_ptr() == t2.data_ptr()
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
+    """The stack-based walk used past Python's recursion limit agrees with the fast walk."""
+    mover = _move._Mover(META, True, None, False)
+    helpers.assert_same_tree(mover.walk_iteratively(tree), todevice.move(tree, "meta"))
+
+
+# ---------------------------------------------------------------- the corpus, case by case
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_matches_reference(name: str) -> None:
+    tree = CORPUS[name]
+    before = helpers.snapshot(tree)
+    helpers.assert_same_tree(todevice.move(tree, "meta"), helpers.reference_move(tree, "meta"))
+    helpers.assert_snapshot_equal(before, helpers.snapshot(tree))
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def test_tensor_already_there_is_the_same_object() -> None:
+    t = torch.ones(2)
+    assert todevice.move(t, "cpu") is t
+    assert todevice.move({"t": t}, "cpu")["t"] is t
+    assert todevice.move([t], CPU, dtype=torch.float32)[0] is t
+
+
+def test_tensor_leaf_is_what_to_gives() -> None:
+    t = torch.ones(2, 3, requires_grad=True)
+    out = todevice.move(t, "meta")
+    ref = t.to("meta")
+    assert (out.device, out.dtype, out.shape, out.requires_grad) == (ref.device, ref.dtype, ref.shape, True)
+    assert type(out.grad_fn) is type(ref.grad_fn)
+
+
+def test_parameter_leaf() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    assert todevice.move(p, "cpu") is p
+    out = todevice.move({"p": p}, "meta")["p"]
+    assert out.device == META and out.requires_grad
+
+
+def test_gradients_flow_back_through_a_move() -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    out = todevice.move({"x": [x]}, "cpu", dtype=torch.float64)
+    (out["x"][0] * 3).sum().backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, torch.full((2,), 3.0))
+
+
+def test_dtype_casts_only_floating_and_complex() -> None:
+    tree = {"f": torch.ones(2), "i": torch.arange(2), "b": torch.ones(2, dtype=torch.bool), "h": torch.ones(1).half()}
+    out = todevice.move(tree, "cpu", dtype=torch.float64)
+    assert out["f"].dtype == torch.float64 and out["h"].dtype == torch.float64
+    assert out["i"] is tree["i"] and out["b"] is tree["b"]
+
+
+@pytest.mark.parametrize("bad", [torch.int64, torch.bool, "float16", 16])
+def test_dtype_must_be_floating_or_complex(bad: Any) -> None:
+    with pytest.raises(TypeError, match=r"move\(\) casts floating-point and complex tensors only"):
+        todevice.move(torch.ones(1), "cpu", dtype=bad)
+
+
+def test_sparse_tensor_moves() -> None:
+    s = torch.eye(3).to_sparse()
+    out = todevice.move({"s": s}, "meta")["s"]
+    assert out.is_sparse and out.device == META
+
+
+# ---------------------------------------------------------------- containers
+
+
+def test_defaultdict_keeps_its_factory() -> None:
+    d = collections.defaultdict(list, {"a": torch.ones(1)})
+    out = todevice.move(d, "meta")
+    assert type(out) is collections.defaultdict and out.default_factory is list
+    out["new"].append(1)
+    assert "new" not in d
+
+
+def test_ordered_dict_keeps_order_and_type() -> None:
+    d = collections.OrderedDict([("z", torch.ones(1)), ("a", torch.ones(1))])
+    out = todevice.move(d, "meta")
+    assert type(out) is collections.OrderedDict and list(out) == ["z", "a"]
+
+
+def test_dict_keeps_insertion_order() -> None:
+    d = {"z": 1, "a": torch.ones(1), "m": 2}
+    assert list(todevice.move(d, "meta")) == ["z", "a", "m"]
+
+
+def test_deque_keeps_maxlen() -> None:
+    out = todevice.move(collections.deque([torch.ones(1)], maxlen=3), "meta")
+    assert type(out) is collections.deque and out.maxlen == 3 and out[0].device == META
+
+
+def test_sets_move_their_tensors() -> None:
+    t = torch.ones(1)
+    out = todevice.move({"s": {t, 1}, "f": frozenset({t})}, "meta")
+    assert type(out["s"]) is set and type(out["f"]) is frozenset
+    assert {x.device for x in out["s"] if isinstance(x, torch.Tensor)} == {META}
+    assert 1 in out["s"]
+    assert next(iter(out["f"])) is next(x for x in out["s"] if isinstance(x, torch.Tensor))
+
+
+def test_none_anywhere() -> None:
+    assert todevice.move(None, "meta") is None
+    assert todevice.move([None, {"a": None}], "meta") == [None, {"a": None}]
+
+
+def test_namedtuple_keeps_type() -> None:
+    out = todevice.move(helpers.Point(torch.ones(1), "y"), "meta")
+    assert type(out) is helpers.Point and out.x.device == META and out.y == "y"
+
+
+def test_structseq_keeps_type() -> None:
+    result = torch.max(torch.ones(2, 2), 0)
+    out = todevice.move(result, "meta")
+    assert type(out) is type(result) and out.values.device == META and out.indices.device == META
+
+
+@pytest.mark.parametrize("cls", helpers.DATACLASSES)
+def test_dataclass_keeps_type_and_moves_fields(cls: type) -> None:
+    obj = cls(torch.ones(1), [torch.zeros(1)])
+    out = todevice.move(obj, "meta")
+    assert type(out) is cls
+    assert out.a.device == META and out.b[0].device == META
+    assert obj.a.device == CPU
+
+
+def test_dataclass_init_false_field_is_moved() -> None:
+    obj = helpers.make_late(torch.ones(1), torch.zeros(1))
+    out = todevice.move(obj, "meta")
+    assert out.late.device == META and out.a.device == META
+    assert obj.late.device == CPU
+
+
+def test_dataclass_without_a_value_for_an_init_false_field() -> None:
+    @dataclasses.dataclass
+    class Partial:
+        a: Any
+        b: Any = dataclasses.field(init=False)
+
+    out = todevice.move(Partial(torch.ones(1)), "meta")
+    assert out.a.device == META and not hasattr(out, "b")
+
+
+def test_dataclass_extra_attributes_are_kept() -> None:
+    obj = helpers.Record(torch.ones(1))
+    obj.note = "kept"  # type: ignore[attr-defined]
+    out = todevice.move(obj, "meta")
+    assert out.note == "kept"
+
+
+def test_dict_subclass_keeps_type_and_state_without_calling_init() -> None:
+    d = helpers.TaggedDict("train", {"x": torch.ones(1)})
+    out = todevice.move(d, "meta")
+    assert type(out) is helpers.TaggedDict and out.tag == "train" and out["x"].device == META
+    assert d["x"].device == CPU
+
+
+def test_list_subclass_keeps_type_and_state() -> None:
+    lst = helpers.TaggedList("val", [torch.ones(1), 2])
+    out = todevice.move(lst, "meta")
+    assert type(out) is helpers.TaggedList and out.tag == "val" and out[0].device == META and out[1] == 2
+
+
+def test_ordered_dict_and_defaultdict_subclasses() -> None:
+    class MyOrdered(collections.OrderedDict):  # type: ignore[type-arg]
+        pass
+
+    class MyDefault(collections.defaultdict):  # type: ignore[type-arg]
+        pass
+
+    o = MyOrdered([("b", torch.ones(1)), ("a", 2)])
+    out = todevice.move(o, "meta")
+    assert type(out) is MyOrdered and list(out) == ["b", "a"] and out["b"].device == META
+    o.move_to_end("b")  # the copy has its own order bookkeeping
+    assert list(out) == ["b", "a"]
+    d = MyDefault(list, {"x": torch.ones(1)})
+    out_d = todevice.move(d, "meta")
+    assert type(out_d) is MyDefault and out_d.default_factory is list and out_d["x"].device == META
+
+
+def test_dataclass_that_is_also_a_dict() -> None:
+    """Like transformers' ModelOutput: fields and items both move, to the same tensors."""
+
+    @dataclasses.dataclass
+    class Output(collections.OrderedDict):  # type: ignore[type-arg]
+        logits: Any = None
+
+        def __post_init__(self) -> None:
+            self["logits"] = self.logits
+
+    out = todevice.move(Output(torch.ones(2)), "meta")
+    assert type(out) is Output and out.logits.device == META and out["logits"] is out.logits
+
+
+def test_shared_containers_stay_shared() -> None:
+    inner = [torch.ones(1)]
+    out = todevice.move({"a": inner, "b": inner}, "meta")
+    assert out["a"] is out["b"]
+    assert out["a"] is not inner
+
+
+# ---------------------------------------------------------------- objects with .to()
+
+
+class Moves:
+    """An object with .to() that takes non_blocking and moves in place, as BatchEncoding does."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.calls: list[dict[str, Any]] = []
+
+    def to(self, device: Any, non_blocking: bool = False) -> Moves:
+        # Rebinds its attributes in place, as BatchEncoding.to() and PyG's Data.to() do.
+        self.calls = [*self.calls, {"device": device, "non_blocking": non_blocking}]
+        self.t = self.t.to(device, non_blocking=non_blocking)
+        return self
+
+
+class MovesPlainly:
+    """An object whose .to() takes only a device."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any) -> MovesPlainly:
+        return MovesPlainly(self.t.to(device))
+
+
+class MovesWithKwargs:
+    def __init__(self) -> None:
+        self.kwargs: dict[str, Any] = {}
+
+    def to(self, *args: Any, **kwargs: Any) -> MovesWithKwargs:
+        out = MovesWithKwargs()
+        out.kwargs = kwargs
+        return out
+
+
+def test_to_object_uses_its_own_to_with_non_blocking() -> None:
+    obj = Moves(torch.ones(1))
+    out = todevice.move({"o": obj}, "meta", non_blocking=False)["o"]
+    assert out.t.device == META
+    assert out.calls[-1] == {"device": META, "non_blocking": False}
+
+
+def test_to_object_that_moves_in_place_leaves_the_input_alone() -> None:
+    obj = Moves(torch.ones(1))
+    out = todevice.move(obj, "meta")
+    assert out is not obj and out.t.device == META
+    assert obj.t.device == CPU and obj.calls == []
+
+
+def test_to_object_without_non_blocking() -> None:
+    out = todevice.move([MovesPlainly(torch.ones(1))], "meta")[0]
+    assert out.t.device == META
+
+
+def test_to_object_with_kwargs_gets_non_blocking() -> None:
+    out = todevice.move(MovesWithKwargs(), "meta", non_blocking=True)
+    assert out.kwargs == {"non_blocking": True}
+
+
+def test_packed_sequence_uses_its_own_to() -> None:
+    """PackedSequence is a namedtuple, but its .to() keeps batch_sizes on the CPU, as RNNs need."""
+    seq = pack_padded_sequence(torch.ones(3, 2, 4), torch.tensor([3, 2]))
+    out = todevice.move({"seq": seq}, "meta")["seq"]
+    assert type(out) is type(seq)
+    assert out.data.device == META
+    assert out.batch_sizes.device == CPU
+
+
+def test_module_is_left_as_it_is() -> None:
+    m = torch.nn.Linear(2, 2)
+    out = todevice.move({"m": m, "x": torch.ones(1)}, "meta")
+    assert out["m"] is m and m.weight.device == CPU
+
+
+# ---------------------------------------------------------------- precedence
+
+
+def test_registered_type_beats_to_duck_typing() -> None:
+    class Both:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def to(self, device: Any) -> Both:
+            raise AssertionError("the registration should win")
+
+    todevice.register(Both, lambda b: ([b.t], None), lambda aux, ch: Both(ch[0]))
+    try:
+        assert todevice.move(Both(torch.ones(1)), "meta").t.device == META
+    finally:
+        todevice.unregister(Both)
+
+
+def test_registered_namedtuple_beats_builtin_rule() -> None:
+    seen: list[Any] = []
+
+    def flatten(p: helpers.Point) -> tuple[list[Any], None]:
+        seen.append(p)
+        return [p.x], None
+
+    todevice.register(helpers.Point, flatten, lambda aux, ch: helpers.Point(ch[0], "registered"))
+    try:
+        out = todevice.move(helpers.Point(torch.ones(1), "y"), "meta")
+        assert out.y == "registered" and seen
+    finally:
+        todevice.unregister(helpers.Point)
+    assert todevice.move(helpers.Point(1, "y"), "meta").y == "y"
+
+
+def test_to_beats_dataclass() -> None:
+    @dataclasses.dataclass
+    class WithTo:
+        t: Any
+
+        def to(self, device: Any) -> str:
+            return "moved by to"
+
+    assert todevice.move(WithTo(torch.ones(1)), "meta") == "moved by to"
+
+
+def test_dict_subclass_with_to_uses_to() -> None:
+    class Encoding(dict):  # type: ignore[type-arg]
+        def to(self, device: Any) -> str:
+            return "moved by to"
+
+    assert todevice.move(Encoding(a=torch.ones(1)), "meta") == "moved by to"
+
+
+# ---------------------------------------------------------------- aliasing and tied weights
+
+
+def test_same_tensor_twice_is_moved_once() -> None:
+    t = torch.ones(2)
+    out = todevice.move({"a": t, "b": [t], "c": (t,)}, "meta")
+    assert out["a"] is out["b"][0] is out["c"][0]
+
+
+def test_tied_weights_in_a_state_dict_keep_sharing_memory() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 3)
+            self.head = torch.nn.Linear(3, 4, bias=False)
+            self.head.weight = self.embed.weight
+
+    sd = Tied().state_dict()
+    assert sd["embed.weight"] is not sd["head.weight"]
+    out = todevice.move(sd, "cpu", dtype=torch.float64)
+    assert out["embed.weight"].data_ptr() == out["head.weight"].data_ptr()
+    out["embed.weight"][0, 0] = 42.0
+    assert out["head.weight"][0, 0] == 42.0
+    assert sd["head.weight"][0, 0] != 42.0
+
+
+def test_views_of_different_parts_do_not_share() -> None:
+    base = torch.arange(4.0)
+    out = todevice.move([base[:2], base[2:]], "cpu", dtype=torch.float64)
+    assert torch.equal(out[0], torch.tensor([0.0, 1.0])) and torch.equal(out[1], torch.tensor([2.0, 3.0]))
+
+
+def test_distinct_tensors_requiring_grad_are_moved_separately() -> None:
+    """Sharing memory would route one tensor's gradient through the other."""
+    base = torch.ones(2)
+    a = base.requires_grad_(True)
+    b = a.view(2)  # a non-leaf over the same memory
+    out = todevice.move([a, b], "cpu", dtype=torch.float64)
+    (out[0].sum() + 2 * out[1].sum()).backward()
+    assert a.grad is not None
+    assert torch.equal(a.grad, torch.full((2,), 3.0))
+
+
+def test_same_geometry_different_dtype_does_not_share() -> None:
+    base = torch.zeros(4, dtype=torch.int32)
+    as_float = base.view(torch.float32)
+    out = todevice.move([base, as_float], "meta")
+    assert out[0].dtype == torch.int32 and out[1].dtype == torch.float32
+
+
+# ---------------------------------------------------------------- non-blocking and the device-to-host wait
+
+
+def test_device_to_host_waits_before_returning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non_blocking copy into host memory is synchronized once per source device before return."""
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    mover = _move._Mover(CPU, True, None, False)
+    fake_gpu = torch.device("cuda", 0)
+    mover.wait_for.add(fake_gpu)
+    mover.finish()
+    assert synced == [fake_gpu]
+
+
+def test_host_copies_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    todevice.move({"x": torch.ones(2)}, "cpu", dtype=torch.float64)
+    assert synced == []
+
+
+def test_blocking_moves_to_the_host_never_wait() -> None:
+    mover = _move._Mover(CPU, False, None, False)
+    assert not mover.to_host
+
+
+# ---------------------------------------------------------------- deep and cyclic structures
+
+
+def test_cyclic_list_raises() -> None:
+    cyc: list[Any] = [torch.ones(1)]
+    cyc.append(cyc)
+    with pytest.raises(
+        ValueError, match=r"Cannot move a cyclic structure: the list at the top level contains itself at \[1\]"
+    ):
+        todevice.move(cyc, "meta")
+
+
+def test_cycle_deep_inside_names_its_path() -> None:
+    inner: dict[str, Any] = {}
+    inner["self"] = [inner]
+    with pytest.raises(ValueError, match=r"the dict at \['a'\] contains itself at \['a'\]\['self'\]\[0\]"):
+        todevice.move({"a": inner}, "meta")
+
+
+def test_cyclic_dataclass_raises() -> None:
+    r = helpers.Record(torch.ones(1))
+    r.b = [r]
+    with pytest.raises(ValueError, match="cyclic"):
+        todevice.move(r, "meta")
+
+
+def test_ten_thousand_levels_work() -> None:
+    root: list[Any] = []
+    node = root
+    for _ in range(10_000):
+        child: list[Any] = [torch.ones(1)]
+        node.append(child)
+        node = child
+    out = todevice.move(root, "meta")
+    depth = 0
+    node = out[0]
+    while len(node) == 2:  # [tensor, child], down to the innermost [tensor]
+        assert type(node) is list and node[0].device == META
+        node = node[1]
+        depth += 1
+    assert node[0].device == META
+    assert depth == 10_000 - 1
+
+
+def test_deep_and_shared_still_moves_each_tensor_once() -> None:
+    t = torch.ones(1)
+    root: list[Any] = []
+    node = root
+    for _ in range(3000):
+        child: list[Any] = [t]
+        node.append(child)
+        node = child
+    out = todevice.move(root, "meta")
+    seen = set()
+    node = out
+    while node:
+        if len(node) == 2 or isinstance(node[0], torch.Tensor):
+            seen.add(id(node[0]))
+        node = node[-1] if isinstance(node[-1], list) else []
+    assert len(seen) == 1
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_failed_leaf_names_its_path() -> None:
+    tree = {"x": [torch.ones(1), torch.empty(2, device="meta")]}
+    with pytest.raises(
+        NotImplementedError,
+        match=r"Cannot move \['x'\]\[1\] \(Tensor of shape \(2,\), torch.float32, on meta\) to cpu: ",
+    ):
+        todevice.move(tree, "cpu")
+
+
+def test_failed_leaf_in_a_dataclass_field() -> None:
+    tree = {"x": [0, 1, helpers.Record(torch.empty(1, device="meta"))]}
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['x'\]\[2\]\.a "):
+        todevice.move(tree, "cpu")
+
+
+def test_failed_to_object_names_its_path() -> None:
+    class Broken:
+        def to(self, device: Any) -> Any:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match=r"Cannot move \['k'\] \(.*Broken\) to meta: boom"):
+        todevice.move({"k": Broken()}, "meta")
+
+
+def test_strict_lists_every_unknown_leaf_with_its_path() -> None:
+    class Opaque:
+        pass
+
+    tree = {"x": [1, 2, helpers.Record(Opaque())], "m": torch.nn.Linear(1, 1), "ok": torch.ones(1)}
+    with pytest.raises(TypeError) as info:
+        todevice.move(tree, "meta", strict=True)
+    msg = str(info.value)
+    assert msg.startswith("Cannot move 2 object(s) with strict=True")
+    assert "  ['x'][2].a: test_strict_lists_every_unknown_leaf_with_its_path.<locals>.Opaque\n" in msg
+    assert "  ['m']: Linear (an nn.Module: move it with module.to(device))\n" in msg
+    assert msg.endswith(
+        "Register their types with todevice.register(), or pass strict=False to leave them as they are."
+    )
+
+
+def test_strict_accepts_every_atomic_value() -> None:
+    import numpy as np
+
+    tree = [*CORPUS["atoms"], np.float32(1.0), np.int64(2), torch.Size([1]), helpers.Color.BLUE]
+    out = todevice.move(tree, "meta", strict=True)
+    assert all(a is b for a, b in zip(out, tree))
+
+
+def test_without_strict_unknown_objects_pass_through() -> None:
+    obj = object()
+    assert todevice.move({"o": obj}, "meta")["o"] is obj
+
+
+def test_strict_caps_long_lists() -> None:
+    with pytest.raises(TypeError, match=r"\.\.\. and 10 more"):
+        todevice.move([object() for _ in range(30)], "meta", strict=True)
+
+
+# ---------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "not a device"])
+def test_invalid_device_string(device: str) -> None:
+    with pytest.raises(ValueError, match=f"Cannot move to device '{device}': PyTorch does not know this device string"):
+        todevice.move(torch.ones(1), device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device() -> None:
+    with pytest.raises(
+        ValueError, match=r"Cannot move to device 'cuda:1': cuda is not available on this machine\. Devices here: cpu"
+    ):
+        todevice.move(torch.ones(1), "cuda:1")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without an accelerator")
+def test_integer_device_without_accelerator() -> None:
+    with pytest.raises(ValueError, match="an integer names an accelerator, and this machine has none"):
+        todevice.move(torch.ones(1), 0)
+
+
+def test_negative_device_index() -> None:
+    with pytest.raises(ValueError, match="a device index cannot be negative"):
+        todevice.move(torch.ones(1), -1)
+
+
+@pytest.mark.parametrize("device", [None, True, 1.0, ["cpu"]])
+def test_device_of_the_wrong_type(device: Any) -> None:
+    with pytest.raises(TypeError, match=r"expected a str, an int or a torch\.device"):
+        todevice.move(torch.ones(1), device)
+
+
+def test_invalid_device_is_caught_before_anything_is_copied() -> None:
+    obj = Moves(torch.ones(1))
+    with pytest.raises(ValueError):
+        todevice.move({"o": obj, "t": torch.ones(1)}, "gpu")
+    assert obj.calls == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu"), torch.device("meta"), "cpu:0"])
+def test_valid_device_forms(device: Any) -> None:
+    assert todevice.move(torch.ones(1), device).device.type == torch.device(device).type
+
+
+# ---------------------------------------------------------------- misc
+
+
+def test_result_type_is_the_input_type() -> None:
+    tree = {"a": [torch.ones(1)]}
+    out: dict[str, list[torch.Tensor]] = todevice.move(tree, "meta")
+    assert type(out) is dict
+
+
+def test_copy_module_is_not_used_for_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers are rebuilt, never copied with copy.copy (which may call user hooks)."""
+    calls: list[Any] = []
+    monkeypatch.setattr(copy, "copy", lambda x: calls.append(x) or x)
+    todevice.move({"a": [torch.ones(1)], "b": helpers.TaggedDict("t", {})}, "meta")
+    assert calls == []
