@@ -1,0 +1,37 @@
+"""``python -m todevice info | bench``, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def run(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "todevice", *args], capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+def test_info_prints_versions_accelerators_pinning_and_default_device() -> None:
+    out = run("info")
+    assert f"torch    {torch.__version__}" in out
+    assert "optree   " in out
+    assert "accelerators: " in out
+    assert "pinned memory: " in out
+    assert "default device: " in out
+
+
+def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
+    path = tmp_path / "overhead.json"
+    out = run("bench", "--rounds", "1", "--json", str(path))
+    assert "| nested batch | cpu | todevice.move |" in out
+    assert "| flat dict | meta | hand-written helper |" in out
+    data = json.loads(path.read_text())
+    cells = {(r["workload"], r["target"], r["contender"]) for r in data["rows"]}
+    assert ("nested batch", "meta", "todevice.move") in cells
+    assert all(r["median_us"] > 0 for r in data["rows"])
+    moved = [r for r in data["rows"] if r["contender"] == "todevice.move"]
+    assert all(r["tensors_on_target"] == r["tensors"] for r in moved)

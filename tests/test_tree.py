@@ -1,0 +1,168 @@
+"""The registry: registration rules, the optree namespace, thread safety."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+import todevice
+from tests import helpers
+from todevice import _tree
+
+META = torch.device("meta")
+
+
+class Pair:
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+
+def flatten_pair(p: Pair) -> tuple[list[Any], None]:
+    return [p.a, p.b], None
+
+
+def unflatten_pair(aux: None, children: list[Any]) -> Pair:
+    return Pair(*children)
+
+
+@pytest.fixture
+def registered_pair() -> Any:
+    todevice.register(Pair, flatten_pair, unflatten_pair)
+    yield Pair
+    todevice.unregister(Pair)
+
+
+def test_registered_type_is_moved(registered_pair: type) -> None:
+    out = todevice.move({"p": Pair(torch.ones(1), [torch.zeros(1), "s"])}, "meta")
+    assert type(out["p"]) is Pair
+    assert out["p"].a.device == META and out["p"].b[0].device == META and out["p"].b[1] == "s"
+
+
+def test_unregistered_type_passes_through() -> None:
+    p = Pair(torch.ones(1), 2)
+    assert todevice.move(p, "meta") is p
+
+
+def test_unregister_restores_pass_through(registered_pair: type) -> None:
+    todevice.unregister(Pair)
+    p = Pair(torch.ones(1), 2)
+    assert todevice.move(p, "meta") is p
+    todevice.register(Pair, flatten_pair, unflatten_pair)  # for the fixture's unregister
+
+
+def test_registration_lives_in_todevice_namespace_only(registered_pair: type) -> None:
+    p = Pair(torch.ones(1), 2)
+    assert optree.tree_leaves(p) == [p]  # the global namespace is untouched
+    assert optree.tree_leaves(p, namespace=_tree.NAMESPACE) == [p.a, 2]
+    from torch.utils import _pytree
+
+    assert _pytree.tree_leaves(p) == [p]
+
+
+def test_registered_children_path_in_errors(registered_pair: type) -> None:
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['p'\]\[1\] "):
+        todevice.move({"p": Pair(1, torch.empty(1, device="meta"))}, "cpu")
+
+
+def test_registered_entries_name_the_children() -> None:
+    class Named:
+        def __init__(self, x: Any) -> None:
+            self.x = x
+
+    todevice.register(Named, lambda n: ([n.x], None, ["x"]), lambda aux, ch: Named(ch[0]))
+    try:
+        with pytest.raises(NotImplementedError, match=r"Cannot move \['x'\] "):
+            todevice.move(Named(torch.empty(1, device="meta")), "cpu")
+    finally:
+        todevice.unregister(Named)
+
+
+def test_register_twice_raises(registered_pair: type) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"Cannot register Pair: it is already registered with todevice\. "
+        r"Call todevice\.unregister\(Pair\) first to replace it\.",
+    ):
+        todevice.register(Pair, flatten_pair, unflatten_pair)
+
+
+def test_register_again_after_unregister(registered_pair: type) -> None:
+    todevice.unregister(Pair)
+    todevice.register(Pair, flatten_pair, unflatten_pair)
+
+
+def test_unregister_unknown_raises() -> None:
+    with pytest.raises(ValueError, match=r"Cannot unregister Pair: it is not registered with todevice\."):
+        todevice.unregister(Pair)
+
+
+@pytest.mark.parametrize("cls", [dict, list, tuple, torch.Tensor])
+def test_register_builtin_raises(cls: type) -> None:
+    with pytest.raises(ValueError, match="it is a built-in type that todevice already handles"):
+        todevice.register(cls, flatten_pair, unflatten_pair)
+
+
+def test_register_non_class_raises() -> None:
+    with pytest.raises(TypeError, match="expected a class, got Pair"):
+        todevice.register(Pair(1, 2), flatten_pair, unflatten_pair)  # type: ignore[arg-type]
+
+
+def test_register_non_callable_raises() -> None:
+    with pytest.raises(TypeError, match="flatten must be callable, got int"):
+        todevice.register(Pair, 3, unflatten_pair)  # type: ignore[arg-type]
+
+
+def test_registration_is_by_exact_type(registered_pair: type) -> None:
+    class SubPair(Pair):
+        pass
+
+    s = SubPair(torch.ones(1), 2)
+    assert todevice.move(s, "meta") is s
+
+
+def test_threads_register_and_move_at_the_same_time() -> None:
+    """Eight threads each register their own class, move trees holding it, and unregister it."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def work(n: int) -> None:
+        cls = type(f"Box{n}", (), {"__init__": lambda self, v: setattr(self, "v", v)})
+        try:
+            barrier.wait()
+            for _ in range(50):
+                todevice.register(cls, lambda b: ([b.v], None), lambda aux, ch, cls=cls: cls(ch[0]))
+                tree = {"box": cls(torch.ones(1)), "list": [helpers.Record(torch.zeros(1))]}
+                out = todevice.move(tree, "meta")
+                assert type(out["box"]) is cls and out["box"].v.device == META
+                assert out["list"][0].a.device == META
+                todevice.unregister(cls)
+                assert todevice.move(tree, "meta")["box"] is tree["box"]
+        except BaseException as err:  # surfaced to the main thread below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_walk_paths_lists_every_path() -> None:
+    tree = {"x": [1, helpers.Record(2, (3,))], "d": helpers.TaggedDict("t", {"k": 4})}
+    paths = [p for p, _ in _tree.walk_paths(tree)]
+    assert paths == [
+        "",
+        "['x']",
+        "['x'][0]",
+        "['x'][1]",
+        "['x'][1].a",
+        "['x'][1].b",
+        "['x'][1].b[0]",
+        "['d']",
+        "['d']['k']",
+    ]
