@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, accelerators, pinned memory and the default device")
     bench = sub.add_parser("bench", help="time move() against the hand-written helper and the peers")
-    bench.add_argument("--rounds", type=int, default=7, help="interleaved rounds per cell (default 7)")
+    bench.add_argument("--rounds", type=int, default=30, help="interleaved rounds per cell (default 30)")
     bench.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -102,14 +102,16 @@ def contenders() -> dict[str, Callable[[Any, torch.device], Any]]:
     return found
 
 
-def _sample(fn: Callable[[Any, torch.device], Any], tree: Any, dev: torch.device, number: int) -> float:
+def _sample(fn: Callable[[Any, torch.device], Any], tree: Any, dev: torch.device) -> float:
+    # One call per sample, as a training loop makes one call per step between other work: calling
+    # the same function back to back flatters whoever allocates least (the allocator's free lists
+    # stay hot), which is not what a loop sees.
     start = time.perf_counter()
-    for _ in range(number):
-        fn(tree, dev)
-    return (time.perf_counter() - start) / number
+    fn(tree, dev)
+    return time.perf_counter() - start
 
 
-def run(rounds: int = 15, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
+def run(rounds: int = 30, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     """Time every contender on every workload and target; interleaved rounds, medians."""
     rng = random.Random(seed)
     workloads = {"nested batch": nested_batch(n), "flat dict": flat_batch(n)}
@@ -127,7 +129,7 @@ def run(rounds: int = 15, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
                     order = list(funcs)
                     rng.shuffle(order)  # no contender always runs first, or right after another
                     for name in order:
-                        times[name].append(_sample(funcs[name], tree, dev, number=5))
+                        times[name].append(_sample(funcs[name], tree, dev))
             finally:
                 gc.enable()
             base = statistics.median(times["todevice.move"])
@@ -173,7 +175,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-def main(rounds: int = 15, json_path: str | None = None) -> list[dict[str, Any]]:
+def main(rounds: int = 30, json_path: str | None = None) -> list[dict[str, Any]]:
     rows = run(rounds=rounds)
     print(
         "Traversal overhead, 1,000 tensors. 'cpu': tensors already there (pure traversal); "
