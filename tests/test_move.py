@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -663,7 +663,32 @@ def test_result_type_is_the_input_type() -> None:
 
 def test_copy_module_is_not_used_for_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
     """Containers are rebuilt, never copied with copy.copy (which may call user hooks)."""
-    calls: list[Any] = []
+    calls: ClassVar[list[Any]] = []
     monkeypatch.setattr(copy, "copy", lambda x: calls.append(x) or x)
     todevice.move({"a": [torch.ones(1)], "b": helpers.TaggedDict("t", {})}, "meta")
     assert calls == []
+
+
+class _PinRecorder(torch.Tensor):
+    """A CPU tensor that says whether it is pinned and records how .to() is called."""
+
+    pinned = False
+    calls: ClassVar[list[Any]] = []
+
+    def is_pinned(self, *args: Any, **kwargs: Any) -> bool:
+        return self.pinned
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        _PinRecorder.calls.append(kwargs.get("non_blocking"))
+        return self
+
+
+@pytest.mark.parametrize(("pinned", "expected"), [(False, False), (True, True)])
+def test_mps_copies_from_pageable_memory_are_blocking(pinned: bool, expected: bool) -> None:
+    """Async pageable-to-MPS copies can return zeros (pytorch#83015): only pinned sources go async."""
+    t = torch.Tensor._make_subclass(_PinRecorder, torch.ones(2))
+    t.pinned = pinned
+    _PinRecorder.calls = []
+    mover = _move._Mover(torch.device("mps"), True, None, False)
+    mover.tensor(t)
+    assert _PinRecorder.calls == [expected]

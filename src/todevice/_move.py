@@ -16,7 +16,6 @@ from todevice._stream import DeviceLike
 T = TypeVar("T")
 
 _Tensor = torch.Tensor
-_strided = torch.strided
 
 # Exact types the hot loop recognises without a cache lookup.
 _FAST_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
@@ -89,7 +88,7 @@ def _check_dtype(dtype: object) -> torch.dtype:
 # of the work on a leaf that stays where it is, and `t.is_cpu` is a third cheaper than
 # `t.device == dev`, so the test is written into the loop rather than called.
 _WALK_SOURCE = """
-def factory(copy, to, to_object, other, memo, by_ptr, dev, dtype, kind_of, atoms, _Tensor, _tree, _LeafError):
+def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _tree):
     NODE, TENSOR, ATOM, TO = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.TO
 
     def tensor(v):
@@ -134,10 +133,10 @@ def factory(copy, to, to_object, other, memo, by_ptr, dev, dtype, kind_of, atoms
 # One leaf of a dict, list or tuple, inline: a tensor in place costs no call at all.
 _LEAF_SOURCE = "((v if {here} else copy(v)) if type(v) is _Tensor else (v if type(v) in atoms else walk(v)))"
 
-_factories: dict[tuple[str, bool], Callable[..., Any]] = {}
+_factories: dict[str, Callable[..., Any]] = {}
 
 
-def _walker_factory(dev: torch.device, dtype: torch.dtype | None, plain_to: bool) -> Callable[..., Any]:
+def _walker_factory(dev: torch.device, dtype: torch.dtype | None) -> Callable[..., Any]:
     """The compiled walk for this target; ``here`` is the test that a leaf ``v`` needs no move."""
     # For a meta target the test is skipped: .to() returns a tensor already on meta unchanged, and
     # nearly every leaf sent to meta is a copy, for which the test would be pure cost.
@@ -146,13 +145,12 @@ def _walker_factory(dev: torch.device, dtype: torch.dtype | None, plain_to: bool
         here = f"{where} and (v.dtype == dtype or not (v.is_floating_point() or v.is_complex()))"
     else:
         here = where
-    key = (here, plain_to)
-    factory = _factories.get(key)
+    factory = _factories.get(here)
     if factory is None:
         source = _WALK_SOURCE.format(here=here, leaf=_LEAF_SOURCE.format(here=here))
         namespace: dict[str, Any] = {}
         exec(compile(source, f"<todevice walk: {here}>", "exec"), namespace)
-        factory = _factories[key] = namespace["factory"]
+        factory = _factories[here] = namespace["factory"]
     return factory
 
 
@@ -251,9 +249,10 @@ class _Mover:
             memo[id(t)] = (t, out)
             return out
 
-        factory = _walker_factory(dev, dtype, plain_to)
-        args = (self.to_object, self.other, memo, by_ptr, dev, dtype, _tree.kind_of, _FAST_ATOMS, _Tensor, _tree)
-        walk, tensor = factory(copy, to, *args, _LeafError)
+        factory = _walker_factory(dev, dtype)
+        walk, tensor = factory(
+            copy, self.to_object, self.other, memo, dev, dtype, _tree.kind_of, _FAST_ATOMS, _Tensor, _tree
+        )
         return walk, tensor
 
     def to_object(self, obj: Any) -> Any:
