@@ -1,13 +1,18 @@
 """todevice: move any nested structure of PyTorch tensors to a device, fast and correctly."""
 
-from todevice._move import move
+from todevice._move import COALESCE_MAX_BYTES, move
+from todevice._pack import PackedBatch, pack
 from todevice._tree import register, unregister
 
 __version__ = "0.1.0"
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped by capability, as the style guide asks)
     # moving
+    "COALESCE_MAX_BYTES",
     "move",
+    # packing
+    "PackedBatch",
+    "pack",
     # containers
     "register",
     "unregister",

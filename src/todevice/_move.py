@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from todevice import _stream, _tree
+from todevice import _pack, _stream, _tree
 from todevice._stream import DeviceLike
 
 T = TypeVar("T")
@@ -88,8 +88,9 @@ def _check_dtype(dtype: object) -> torch.dtype:
 # of the work on a leaf that stays where it is, and `t.is_cpu` is a third cheaper than
 # `t.device == dev`, so the test is written into the loop rather than called.
 _WALK_SOURCE = """
-def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _tree):
-    NODE, TENSOR, ATOM, TO = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.TO
+def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _tree, views, slot):
+    NODE, TENSOR, ATOM, TO, SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.TO, _tree.SLOT
+    Slot = _tree.Slot
 
     def tensor(v):
         return v if {here} else copy(v)
@@ -122,6 +123,8 @@ def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _
                 return to_object(x)
             elif code == ATOM:
                 return x
+            elif code == SLOT:
+                return slot(x)
             else:
                 return other(x, code)
         memo[i] = (x, out)
@@ -130,35 +133,58 @@ def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _
     return walk, tensor
 """
 
-# One leaf of a dict, list or tuple, inline: a tensor in place costs no call at all.
-_LEAF_SOURCE = "((v if {here} else copy(v)) if type(v) is _Tensor else (v if type(v) in atoms else walk(v)))"
+# One leaf of a dict, list or tuple, inline: a tensor in place costs no call at all. Unpacking a
+# skeleton fills its slots inline as well.
+_LEAF_SOURCE = "((v if {here} else copy(v)) if type(v) is _Tensor else ({slot}(v if type(v) in atoms else walk(v))))"
+_SLOT_SOURCE = "views[v.index] if type(v) is Slot else "
 
-_factories: dict[str, Callable[..., Any]] = {}
+_factories: dict[tuple[str, bool], Callable[..., Any]] = {}
 
 
-def _walker_factory(dev: torch.device, dtype: torch.dtype | None) -> Callable[..., Any]:
-    """The compiled walk for this target; ``here`` is the test that a leaf ``v`` needs no move."""
+def _in_place_test(dev: torch.device, dtype: torch.dtype | None) -> str:
+    """The inline test that a tensor leaf ``v`` needs no move to ``dev`` (with ``dtype``)."""
     # For a meta target the test is skipped: .to() returns a tensor already on meta unchanged, and
     # nearly every leaf sent to meta is a copy, for which the test would be pure cost.
     where = {"cpu": "v.is_cpu", "meta": "False"}.get(dev.type, "v.device == dev")
-    if dtype is not None:
-        here = f"{where} and (v.dtype == dtype or not (v.is_floating_point() or v.is_complex()))"
-    else:
-        here = where
-    factory = _factories.get(here)
+    if dtype is None:
+        return where
+    return f"{where} and (v.dtype == dtype or not (v.is_floating_point() or v.is_complex()))"
+
+
+def _walker_factory(here: str, slots: bool = False) -> Callable[..., Any]:
+    """The walk compiled with ``here`` as its in-place test, filling slots inline when ``slots``."""
+    factory = _factories.get((here, slots))
     if factory is None:
-        source = _WALK_SOURCE.format(here=here, leaf=_LEAF_SOURCE.format(here=here))
+        leaf = _LEAF_SOURCE.format(here=here, slot=_SLOT_SOURCE if slots else "")
+        source = _WALK_SOURCE.format(here=here, leaf=leaf)
         namespace: dict[str, Any] = {}
         exec(compile(source, f"<todevice walk: {here}>", "exec"), namespace)
-        factory = _factories[here] = namespace["factory"]
+        factory = _factories[here, slots] = namespace["factory"]
     return factory
+
+
+def _skeleton_walker(take: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
+    """A walk that hands every tensor to ``take`` and keeps everything else, for ``pack``."""
+    keep: Callable[..., Any] = lambda x, *_: x  # noqa: E731
+    walk, _ = _walker_factory("False")(
+        take, keep, keep, {}, None, None, _tree.kind_of, _FAST_ATOMS, _Tensor, _tree, None, keep
+    )
+    return walk  # type: ignore[no-any-return]
 
 
 class _Mover:
     """One call's state: the target, the options and the memo of what was moved already."""
 
-    def __init__(self, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, strict: bool) -> None:
+    def __init__(
+        self,
+        dev: torch.device,
+        non_blocking: bool,
+        dtype: torch.dtype | None,
+        strict: bool,
+        views: list[torch.Tensor] | None = None,
+    ) -> None:
         self.dev = dev
+        self.views = views  # the packed tensors, when the walk fills a skeleton's slots
         self.non_blocking = non_blocking
         self.dtype = dtype
         self.strict = strict
@@ -172,6 +198,10 @@ class _Mover:
         self.wait_for_objects = False
         self.to_host = dev.type == "cpu" and non_blocking
         self.mps = dev.type == "mps"
+        self.buffers: list[torch.Tensor] = []  # coalesced copies on the target, which views point into
+        # (user's stream, side stream): .to() objects are moved on the user's stream, since the
+        # tensors they make cannot be found to be recorded on it.
+        self.object_streams: tuple[torch.Stream, torch.Stream] | None = None
         self.walk, self.tensor = self._build()
 
     def _build(self) -> tuple[Callable[[Any], Any], Callable[[torch.Tensor], torch.Tensor]]:
@@ -249,9 +279,20 @@ class _Mover:
             memo[id(t)] = (t, out)
             return out
 
-        factory = _walker_factory(dev, dtype)
+        factory = _walker_factory(_in_place_test(dev, dtype), self.views is not None)
         walk, tensor = factory(
-            copy, self.to_object, self.other, memo, dev, dtype, _tree.kind_of, _FAST_ATOMS, _Tensor, _tree
+            copy,
+            self.to_object,
+            self.other,
+            memo,
+            dev,
+            dtype,
+            _tree.kind_of,
+            _FAST_ATOMS,
+            _Tensor,
+            _tree,
+            self.views,
+            self.slot,
         )
         return walk, tensor
 
@@ -265,6 +306,9 @@ class _Mover:
             target = obj if tp in _PURE_TO else copy.copy(obj)
         except Exception:
             target = obj  # not copyable: its own .to() is all there is
+        streams = self.object_streams
+        if streams is not None:
+            _stream.set_stream(streams[0])
         try:
             if _accepts_non_blocking(tp):
                 try:
@@ -278,15 +322,55 @@ class _Mover:
                 out = target.to(self.dev)
         except Exception as err:
             raise _LeafError(obj, err) from err
+        finally:
+            if streams is not None:
+                _stream.set_stream(streams[1])
         if self.to_host:
             self.wait_for_objects = True
         self.memo[id(obj)] = (obj, out)
         return out
 
+    def outputs(self) -> list[torch.Tensor]:
+        """Every tensor this move made: the coalesced buffers and each tensor copied on its own."""
+        outs = list(self.buffers)
+        for entry in self.by_ptr.values():
+            for src, out in [entry] if type(entry) is tuple else entry:
+                if out is not src:
+                    outs.append(out)
+        outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
+        return outs
+
     def other(self, obj: Any, code: int) -> Any:
+        if type(obj) is _pack.PackedBatch:
+            return self.packed(obj)
         if self.strict and code in (_tree.UNKNOWN, _tree.MODULE):
             self.unknown.append(obj)
         return obj
+
+    def packed(self, batch: _pack.PackedBatch) -> Any:
+        """A PackedBatch met inside a structure: unpacked onto the target, once."""
+        hit = self.memo.get(id(batch))
+        if hit is not None:
+            return hit[1]
+        out = batch.unpack(self.dev, non_blocking=self.non_blocking)
+        self.memo[id(batch)] = (batch, out)
+        return out
+
+    def slot(self, s: _tree.Slot | _tree.AliasSlot) -> torch.Tensor:
+        """A skeleton's slot: the packed tensor, or a new view of it for a distinct tensor over its memory."""
+        if self.views is None:
+            msg = f"Cannot move {s!r}: a slot only means something inside a PackedBatch's skeleton."
+            raise TypeError(msg)
+        if type(s) is _tree.Slot:
+            return self.views[s.index]
+        assert type(s) is _tree.AliasSlot
+        view = self.views[s.target.index]
+        hit = self.memo.get(id(s))
+        if hit is not None:
+            return hit[1]  # type: ignore[no-any-return]
+        out = view.view(view.shape)
+        self.memo[id(s)] = (s, out)
+        return out
 
     # ------------------------------------------------------------ the walk
 
@@ -338,6 +422,13 @@ class _Mover:
             _stream.synchronize_accelerator()
 
 
+# Leaves up to this size are packed into one buffer and sent in one copy when moving from the host
+# to an accelerator. Packing a leaf costs a host memcpy (about 10 GB/s here, so 64 KiB take ~6 us)
+# while sending it alone costs a copy launch and an allocation (5 to 7 us on a GPU, see
+# shared/PEERS.md): above ~64 KiB the memcpy costs more than the launch it saves.
+COALESCE_MAX_BYTES = 64 * 1024
+
+
 def move(
     obj: T,
     device: DeviceLike,
@@ -345,6 +436,9 @@ def move(
     *,
     non_blocking: bool = True,
     dtype: torch.dtype | None = None,
+    coalesce: bool | None = None,
+    coalesce_max_bytes: int = COALESCE_MAX_BYTES,
+    stream: torch.Stream | None = None,
     strict: bool = False,
 ) -> T:
     """Move every tensor in a nested structure to ``device``; containers and other values are kept.
@@ -354,6 +448,9 @@ def move(
     the same type, and every other value comes back as the very same object.  ``obj`` is never
     mutated.  A tensor reached twice is moved once, and distinct tensors over the same memory (tied
     weights) still share memory afterwards.
+
+    From the host to an accelerator, the small tensors travel together: they are packed into one
+    page-locked buffer, sent with one copy, and handed back as views of one device buffer.
 
     Example:
         >>> import torch, todevice
@@ -365,13 +462,20 @@ def move(
     Args:
         obj: A tensor, or any nesting of dicts (including OrderedDict and defaultdict), lists,
             tuples, namedtuples, deques, sets, dataclasses, dict and list subclasses, types
-            registered with :func:`todevice.register`, and objects with their own ``.to()``.
+            registered with :func:`todevice.register`, objects with their own ``.to()``, and
+            :class:`todevice.PackedBatch`.
         device: Target device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``, or an int
             (an index of the current accelerator).
         non_blocking: Let host-to-accelerator copies run asynchronously.  Copies that land in host
             memory are waited for before ``move()`` returns, so results are always safe to read.
         dtype: Cast floating-point and complex tensors to this dtype on the way (as
             ``nn.Module.to(dtype)`` does); integer and bool tensors keep theirs.
+        coalesce: Pack small host tensors into one buffer and send it in one copy.  None (the
+            default) does so from the host to an accelerator; True for any target but the CPU
+            (``"meta"`` included); False never.  Coalesced tensors come back contiguous.
+        coalesce_max_bytes: The largest tensor that is coalesced; larger ones are copied alone.
+        stream: Issue the copies on this stream.  The tensors returned are safe to use on the
+            current stream: it waits for the copies, and they are recorded on it.
         strict: Raise instead of passing through objects todevice does not understand.
 
     Returns:
@@ -388,25 +492,94 @@ def move(
     dev = _stream.resolve_device(device)
     if dtype is not None:
         _check_dtype(dtype)
-    mover = _Mover(dev, non_blocking, dtype, strict)
+    if coalesce is None:
+        coalesce = dev.type not in _stream.HOST_TYPES
+    elif coalesce:
+        coalesce = dev.type != "cpu"
+    user_stream = None
+    if stream is not None:
+        user_stream = _stream.enter_stream(stream, dev)
+    try:
+        mover = _Mover(dev, non_blocking, dtype, strict)
+        if stream is not None and user_stream is not None:
+            mover.object_streams = (user_stream, stream)
+        out = _coalesced(mover, obj, coalesce_max_bytes) if coalesce else _run(mover, obj, obj)
+    finally:
+        if user_stream is not None:
+            _stream.leave_stream(user_stream)
+    if mover.unknown:
+        raise TypeError(_strict_message(obj, mover.unknown))
+    if user_stream is not None:
+        assert stream is not None
+        _stream.hand_over(stream, user_stream, mover.outputs())
+    mover.finish()
+    return out  # type: ignore[no-any-return]
+
+
+def _run(mover: _Mover, tree: Any, original: Any) -> Any:
+    """``mover.walk(tree)``, past Python's recursion limit too, with errors that name paths in ``original``."""
     try:
         try:
-            out = mover.walk(obj)
+            return mover.walk(tree)
         except RecursionError as err:
             try:
                 # Shared sub-trees are moved once via the memo, so what was done stays done.
-                out = _deep(mover, obj)
+                return _deep(mover, tree)
             except _tree.CycleError as cycle:
                 raise ValueError(_tree.cycle_message(cycle)) from err
     except _LeafError as failure:
         leaf, cause = failure.leaf, failure.err
-        where = _tree.format_path(_tree.find_path(obj, leaf) or "")
-        msg = f"Cannot move {where} ({_describe(leaf)}) to {dev}: {cause}"
+        where = _tree.format_path(_tree.find_path(original, leaf) or "")
+        msg = f"Cannot move {where} ({_describe(leaf)}) to {mover.dev}: {cause}"
         raise _rewrap(cause, msg) from cause
-    if mover.unknown:
-        raise TypeError(_strict_message(obj, mover.unknown))
+
+
+def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
+    """Pack the small host tensors, send them in one copy, then move the rest around their views."""
+
+    def small(t: torch.Tensor) -> bool:
+        return t.nbytes <= max_bytes and not t.requires_grad and _pack.packable(t)
+
+    try:
+        skeleton, tensors, layout = _pack.take_tensors(obj, small, mover.dtype, _skeleton_walker)
+    except RecursionError:
+        return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
+    mover.views = _send(tensors, layout, mover) if tensors else []
+    mover.walk, mover.tensor = mover._build()
+    return _run(mover, skeleton, obj)
+
+
+def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover) -> list[torch.Tensor]:
+    """Pack ``tensors`` into pinned staging, copy it to the target once, and cut the copy into views."""
+    staging = _pack.pinning.empty(layout.nbytes)
+    _pack.write(staging, layout, tensors)
+    non_blocking = mover.non_blocking and (staging.is_pinned() if mover.mps else True)
+    try:
+        on_device = staging.to(mover.dev, non_blocking=non_blocking)
+    except Exception as err:
+        msg = f"Cannot move {len(tensors)} coalesced tensors ({layout.nbytes} bytes) to {mover.dev}: {err}"
+        raise _rewrap(err, msg) from err
+    mover.buffers.append(on_device)
+    return _pack.read(on_device, layout)
+
+
+def unpack(batch: _pack.PackedBatch, device: DeviceLike | None = None, *, non_blocking: bool = True) -> Any:
+    """``batch``'s structure back, its packed tensors as views of one buffer on ``device`` (None: the host)."""
+    dev = torch.device("cpu") if device is None else _stream.resolve_device(device)
+    buffer = batch.buffer
+    mover = _Mover(dev, non_blocking, None, False)
+    if buffer.device != dev:
+        nb = non_blocking and (buffer.is_pinned() if mover.mps else True)
+        buffer = buffer.to(dev, non_blocking=nb)
+        mover.buffers.append(buffer)
+    views = _pack.read(buffer, batch.layout)
+    for k in batch.requires_grad:
+        views[k] = views[k].requires_grad_()
+    mover.views = views
+    mover.walk, mover.tensor = mover._build()
+    out = _run(mover, batch.skeleton, batch.skeleton)
     mover.finish()
-    return out  # type: ignore[no-any-return]
+    return out
 
 
 def _deep(mover: _Mover, obj: Any) -> Any:

@@ -100,3 +100,38 @@ def synchronize_accelerator() -> None:
     """Wait for the current accelerator, if there is one (used where the source device is unknown)."""
     if torch.accelerator.is_available():
         torch.accelerator.synchronize()
+
+
+# ---------------------------------------------------------------- streams
+
+
+def set_stream(stream: torch.Stream) -> None:
+    torch.accelerator.set_stream(stream)
+
+
+def enter_stream(stream: torch.Stream, device: torch.device) -> torch.Stream:
+    """Make ``stream`` current for ``device``'s copies; returns the stream that was current.
+
+    The side stream first waits for the current one: a source written on the current stream
+    (a device-to-device or device-to-host move) must be complete before it is copied.
+    """
+    user = torch.accelerator.current_stream(device)
+    stream.wait_stream(user)
+    torch.accelerator.set_stream(stream)
+    return user
+
+
+def leave_stream(user: torch.Stream) -> None:
+    torch.accelerator.set_stream(user)
+
+
+def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor]) -> None:
+    """Make what ``side`` copied safe to use on ``user``.
+
+    ``user`` waits for the copies, and each output is recorded on ``user`` so the caching allocator
+    does not reuse its memory for ``side`` while ``user`` may still read it (pytorch#23729).
+    """
+    user.wait_stream(side)
+    for t in outputs:
+        if t.device.type == user.device.type:
+            t.record_stream(user)

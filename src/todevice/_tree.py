@@ -30,6 +30,7 @@ NODE = 2  # a container: flattened, its children moved, rebuilt
 TO = 3  # an object with its own .to(): moved through it
 MODULE = 4  # an nn.Module: left as it is (its .to() moves in place, mutating the input)
 UNKNOWN = 5  # anything else: passed through, or reported under strict=True
+SLOT = 6  # a hole in a packed structure's skeleton, filled from the packed buffer
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 Unflatten = Callable[[Any, Any], Any]
@@ -71,6 +72,36 @@ def _is_atomic_type(tp: type) -> bool:
         return True
     numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
     return numpy is not None and issubclass(tp, numpy.generic)
+
+
+class Slot:
+    """Where the ``index``-th packed tensor goes back into a skeleton (see ``todevice.pack``)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return (type(self), (self.index,))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.index})"
+
+
+class AliasSlot:
+    """A distinct tensor over the very memory of the tensor in ``target``: filled with a new view of it."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: Slot) -> None:
+        self.target = target
+
+    def __reduce__(self) -> tuple[type, tuple[Slot]]:
+        return (type(self), (self.target,))
+
+    def __repr__(self) -> str:
+        return f"AliasSlot({self.target.index})"
 
 
 # ---------------------------------------------------------------- built-in containers
@@ -365,6 +396,8 @@ def _has_to(tp: type) -> bool:
 
 
 def _classify(tp: type) -> Kind:
+    if tp is Slot or tp is AliasSlot:
+        return Kind(SLOT)
     reg = _registry.get(tp)
     if reg is not None:
         return Kind(NODE, _registered_flatten(reg.flatten), _registered_unflatten(reg.unflatten), _registered_entry)
