@@ -692,3 +692,123 @@ def test_mps_copies_from_pageable_memory_are_blocking(pinned: bool, expected: bo
     mover = _move._Mover(torch.device("mps"), True, None, False)
     mover.tensor(t)
     assert _PinRecorder.calls == [expected]
+
+
+# ---------------------------------------------------------------- found in review
+
+
+def test_conjugate_and_negative_views_are_not_shared_with_their_base() -> None:
+    """x.conj() has x's data_ptr, dtype, shape and strides, yet other values."""
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    out = todevice.move({"a": x, "b": x.conj()}, "cpu", dtype=torch.complex128)
+    assert torch.equal(out["b"], x.conj().to(torch.complex128))
+    t = torch.tensor([1.0, -2.0])
+    out2 = todevice.move([t, torch._neg_view(t)], "cpu", dtype=torch.float64)
+    assert torch.equal(out2[1], -t.double())
+
+
+def test_deep_chain_of_in_place_to_objects_never_mutates_the_input() -> None:
+    chain: Any = None
+    for _ in range(3000):
+        chain = [Moves(torch.ones(1)), chain]
+    out = todevice.move(chain, "meta")
+    node, moved = chain, out
+    while node is not None:
+        assert node[0].t.device == CPU and node[0].calls == []
+        assert moved[0] is not node[0] and moved[0].t.device == META
+        node, moved = node[1], moved[1]
+
+
+def test_ten_thousand_levels_of_to_objects() -> None:
+    chain: Any = None
+    for _ in range(10_000):
+        chain = [pack_padded_sequence(torch.ones(1, 1, 2), torch.tensor([1])), chain]
+    out = todevice.move(chain, "meta")
+    assert out[0].data.device == META and out[1][1][0].data.device == META
+
+
+def test_cycle_through_to_objects_raises_the_cycle_error() -> None:
+    cyc: list[Any] = [Moves(torch.ones(1))]
+    cyc.append([Moves(torch.ones(1)), cyc])
+    with pytest.raises(ValueError, match="Cannot move a cyclic structure"):
+        todevice.move(cyc, "meta")
+
+
+@pytest.mark.parametrize("device", ["hip", "hpu", "xla", "privateuseone"])
+def test_device_types_without_a_backend_are_rejected_up_front(device: str) -> None:
+    obj = Moves(torch.ones(1))
+    with pytest.raises(ValueError, match=f"Cannot move to device '{device}': "):
+        todevice.move({"o": obj, "x": 1}, device)
+    assert obj.calls == []
+
+
+def test_ordered_dict_subclass_keeps_its_own_order() -> None:
+    class OD(collections.OrderedDict):  # type: ignore[type-arg]
+        pass
+
+    d = OD(a=torch.ones(1), b=2, c=3)
+    d.move_to_end("a")
+    assert list(todevice.move(d, "meta")) == ["b", "c", "a"]
+
+
+def test_namedtuple_with_its_own_new() -> None:
+    class Base(collections.namedtuple("Base", ["x", "y"])):
+        __slots__ = ()
+
+        def __new__(cls, x: Any, y: Any = None) -> Any:
+            return super().__new__(cls, x, y)
+
+    class Batch(Base):
+        def __new__(cls, x: Any) -> Any:  # takes one argument, not two
+            return super().__new__(cls, x, "default")
+
+    out = todevice.move(Batch(torch.ones(1)), "meta")
+    assert type(out) is Batch and out.x.device == META and out.y == "default"
+
+
+def test_strict_lists_leaves_under_freshly_built_children() -> None:
+    """A registered flatten that builds new lists: every leaf under them is still found."""
+
+    class Unknown:
+        pass
+
+    class Holder:
+        def __init__(self, a: Any) -> None:
+            self.a = a
+
+    todevice.register(Holder, lambda h: ([[h.a]], None), lambda aux, ch: Holder(ch[0][0]))
+    try:
+        with pytest.raises(TypeError, match=r"Cannot move 6 object\(s\)"):
+            todevice.move([Holder(Unknown()) for _ in range(6)], "meta", strict=True)
+    finally:
+        todevice.unregister(Holder)
+
+
+def test_error_in_a_registered_flatten_names_the_node() -> None:
+    class Fragile:
+        pass
+
+    def flatten(obj: Fragile) -> Any:
+        raise KeyError("boom")
+
+    todevice.register(Fragile, flatten, lambda aux, ch: Fragile())
+    try:
+        with pytest.raises(KeyError, match=r"Cannot move \['f'\]\[0\] \(.*Fragile\) to meta: 'boom'"):
+            todevice.move({"f": [Fragile()]}, "meta")
+    finally:
+        todevice.unregister(Fragile)
+
+
+def test_error_whose_type_wants_other_arguments_is_raised_as_it_is() -> None:
+    class OddError(Exception):
+        def __init__(self, code: int, text: str) -> None:
+            super().__init__(code, text)
+
+    class Breaks:
+        def to(self, device: Any) -> Any:
+            raise OddError(7, "odd")
+
+    with pytest.raises(OddError) as info:
+        todevice.move({"b": Breaks()}, "meta")
+    assert info.value.args == (7, "odd")
+    assert info.value.__cause__ is not info.value

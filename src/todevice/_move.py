@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -57,19 +57,37 @@ class _LeafError(Exception):
         self.err = err
 
 
+def _guarded(node: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a registered flatten or unflatten: its errors name the node's path."""
+    try:
+        return fn(*args)
+    except RecursionError:
+        raise
+    except Exception as err:
+        raise _LeafError(node, err) from err
+
+
 def _describe(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"{type(leaf).__qualname__} of shape {tuple(leaf.shape)}, {leaf.dtype}, on {leaf.device}"
     return type(leaf).__qualname__
 
 
-def _rewrap(err: BaseException, msg: str) -> BaseException:
-    """The same kind of error with the path in its message; the original stays as the cause."""
+def _raise_with_path(err: BaseException, msg: str) -> NoReturn:
+    """Raise the same kind of error with ``msg`` (which names the path), the original as its cause.
+
+    An exception type whose constructor wants other arguments is raised as it is, ``msg`` added as
+    a note where Python has notes.
+    """
     try:
         new = type(err)(msg)
     except Exception:
-        return err
-    return new if isinstance(new, BaseException) else err
+        new = None
+    if isinstance(new, BaseException):
+        raise new from err
+    if hasattr(err, "add_note"):
+        err.add_note(msg)
+    raise err
 
 
 def _check_dtype(dtype: object) -> torch.dtype:
@@ -88,7 +106,7 @@ def _check_dtype(dtype: object) -> torch.dtype:
 # of the work on a leaf that stays where it is, and `t.is_cpu` is a third cheaper than
 # `t.device == dev`, so the test is written into the loop rather than called.
 _WALK_SOURCE = """
-def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _tree, views, slot):
+def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _tree, views, slot, _LeafError):
     NODE, TENSOR, ATOM, TO, SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.TO, _tree.SLOT
     Slot = _tree.Slot
 
@@ -115,8 +133,19 @@ def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _
             kind = kind_of(tp)
             code = kind.code
             if code == NODE:
-                children, aux = kind.flatten(x)
-                out = kind.unflatten(aux, [walk(c) for c in children])
+                try:
+                    children, aux = kind.flatten(x)
+                except RecursionError:
+                    raise
+                except Exception as err:
+                    raise _LeafError(x, err) from err
+                moved = [walk(c) for c in children]
+                try:
+                    out = kind.unflatten(aux, moved)
+                except RecursionError:
+                    raise
+                except Exception as err:
+                    raise _LeafError(x, err) from err
             elif code == TENSOR:
                 return tensor(x)
             elif code == TO:
@@ -166,9 +195,22 @@ def _walker_factory(here: str, slots: bool = False) -> Callable[..., Any]:
 def _skeleton_walker(take: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
     """A walk that hands every tensor to ``take`` and keeps everything else, for ``pack``."""
     keep: Callable[..., Any] = lambda x, *_: x  # noqa: E731
-    walk, _ = _walker_factory("False")(
-        take, keep, keep, {}, None, None, _tree.kind_of, _FAST_ATOMS, _Tensor, _tree, None, keep
+    factory = _walker_factory("False")
+    args: tuple[Any, ...] = (
+        keep,
+        keep,
+        {},
+        None,
+        None,
+        _tree.kind_of,
+        _FAST_ATOMS,
+        _Tensor,
+        _tree,
+        None,
+        keep,
+        _LeafError,
     )
+    walk, _ = factory(take, *args)
     return walk  # type: ignore[no-any-return]
 
 
@@ -258,12 +300,15 @@ class _Mover:
                     # come out sharing memory too. Not for tensors requiring grad: a shared view
                     # would route the gradient through the wrong source.
                     if (
-                        type(t) is _Tensor
+                        done is not src  # src stayed where it was: so does t, through to() below
+                        and type(t) is _Tensor
                         and type(src) is _Tensor
                         and not (t.requires_grad or src.requires_grad)
                         and src.dtype == t.dtype
                         and src.device == t.device
                         and _same_layout(src, t)
+                        and src.is_conj() == t.is_conj()  # a lazily conjugated or negated view
+                        and src.is_neg() == t.is_neg()  # reads the same memory as other values
                     ):
                         out = done.view(done.shape)
                         entries.append((t, out))
@@ -293,6 +338,7 @@ class _Mover:
             _tree,
             self.views,
             self.slot,
+            _LeafError,
         )
         return walk, tensor
 
@@ -304,6 +350,8 @@ class _Mover:
         non_blocking = self.non_blocking and not self.mps
         try:
             target = obj if tp in _PURE_TO else copy.copy(obj)
+        except RecursionError:
+            raise  # deep nesting: move() falls back to a walk with a stack
         except Exception:
             target = obj  # not copyable: its own .to() is all there is
         streams = self.object_streams
@@ -320,6 +368,8 @@ class _Mover:
                     out = target.to(self.dev)
             else:
                 out = target.to(self.dev)
+        except RecursionError:
+            raise
         except Exception as err:
             raise _LeafError(obj, err) from err
         finally:
@@ -392,7 +442,8 @@ class _Mover:
             if kind.code != _tree.NODE:
                 result.append(walk_leaf(x))
                 return False
-            children, aux = kind.flatten(x)  # type: ignore[misc]
+            assert kind.flatten is not None
+            children, aux = _guarded(x, kind.flatten, x)
             stack.append([x, kind, children, aux, 0, []])
             return True
 
@@ -406,7 +457,7 @@ class _Mover:
                     done.append(result.pop())
                 continue
             stack.pop()
-            out = kind.unflatten(aux, done)
+            out = _guarded(x, kind.unflatten, aux, done)
             memo[id(x)] = (x, out)
             if stack:
                 stack[-1][5].append(out)
@@ -530,8 +581,7 @@ def _run(mover: _Mover, tree: Any, original: Any) -> Any:
     except _LeafError as failure:
         leaf, cause = failure.leaf, failure.err
         where = _tree.format_path(_tree.find_path(original, leaf) or "")
-        msg = f"Cannot move {where} ({_describe(leaf)}) to {mover.dev}: {cause}"
-        raise _rewrap(cause, msg) from cause
+        _raise_with_path(cause, f"Cannot move {where} ({_describe(leaf)}) to {mover.dev}: {cause}")
 
 
 def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
@@ -557,8 +607,9 @@ def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover) -> l
     try:
         on_device = staging.to(mover.dev, non_blocking=non_blocking)
     except Exception as err:
-        msg = f"Cannot move {len(tensors)} coalesced tensors ({layout.nbytes} bytes) to {mover.dev}: {err}"
-        raise _rewrap(err, msg) from err
+        _raise_with_path(
+            err, f"Cannot move {len(tensors)} coalesced tensors ({layout.nbytes} bytes) to {mover.dev}: {err}"
+        )
     mover.buffers.append(on_device)
     return _pack.read(on_device, layout)
 

@@ -169,12 +169,14 @@ def write(buffer: torch.Tensor, layout: Layout, tensors: Sequence[torch.Tensor])
     """Copy ``tensors`` (in slot order) into ``buffer``: one or two C++ calls per group."""
     k = 0
     for g, region in _regions(buffer, layout):
-        n = g.n if type(g) is Block else len(g.shapes)
-        group = list(tensors[k : k + n])
-        k += n
         if type(g) is Ragged:
+            group = list(tensors[k : k + len(g.shapes)])
+            k += len(group)
             torch._foreach_copy_(_cut(region, g), group)
             continue
+        assert type(g) is Block
+        group = list(tensors[k : k + g.n])
+        k += g.n
         if region.is_contiguous():
             try:
                 torch.stack(group, out=region)
@@ -229,18 +231,30 @@ pinning = _Pinning()
 # ---------------------------------------------------------------- pack()
 
 
+# Dtypes a byte buffer holds exactly (quantized and other exotic dtypes are left out).
+_DENSE_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex32,
+        torch.complex64,
+        torch.complex128,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+_strided = torch.strided
+
+
 def packable(t: torch.Tensor) -> bool:
-    """A plain dense CPU tensor with data: what a byte buffer can hold and give back exactly."""
-    return (
-        type(t) is _Tensor
-        and t.layout is torch.strided
-        and t.is_cpu
-        and not t.is_nested
-        and not t.is_quantized
-        and not t.is_conj()
-        and not t.is_neg()
-        and t.numel() > 0
-    )
+    """A plain dense CPU tensor: what a byte buffer can hold and give back exactly."""
+    return type(t) is _Tensor and t.layout is _strided and t.is_cpu and t.dtype in _DENSE_DTYPES and not t.is_nested
 
 
 class _Skeleton:
@@ -250,24 +264,28 @@ class _Skeleton:
         self.select = select
         self.tensors: list[torch.Tensor] = []
         self.slots: list[_tree.Slot] = []
-        self.by_ptr: dict[int, list[tuple[torch.Tensor, _tree.Slot]]] = {}
+        # data_ptr -> slot of the first tensor taken there; tensors at address 0 own no memory.
+        self.by_ptr: dict[int, _tree.Slot] = {}
 
     def take(self, t: torch.Tensor) -> Any:
         if not self.select(t):
             return t  # stays in the skeleton as it is
         ptr = t.data_ptr()
-        for other, slot in self.by_ptr.get(ptr, ()):
+        first = self.by_ptr.get(ptr) if ptr else None
+        if first is not None:
+            other = self.tensors[first.index]
             if (
                 other.dtype == t.dtype
                 and other.shape == t.shape
                 and other.stride() == t.stride()
                 and not (other.requires_grad or t.requires_grad)
             ):
-                return _tree.AliasSlot(slot)  # tied memory: a view of the same packed tensor
+                return _tree.AliasSlot(first)  # tied memory: a view of the same packed tensor
         slot = _tree.Slot(len(self.tensors))
         self.tensors.append(t)
         self.slots.append(slot)
-        self.by_ptr.setdefault(ptr, []).append((t, slot))
+        if first is None and ptr:
+            self.by_ptr[ptr] = slot
         return slot
 
 

@@ -62,7 +62,13 @@ def _check(device: object) -> torch.device:
         return dev
     mod = _backend(dev.type)
     if mod is None:
-        return dev  # a device type without a Python backend module: torch checks it at copy time
+        # No torch.<type> module (xla, hpu, lazy, ...): ask for an empty tensor there, the one
+        # probe that every backend answers, before anything is copied.
+        try:
+            torch.empty(0, device=dev)
+        except Exception as err:
+            raise _invalid(device, f"no {dev.type} backend answers here ({type(err).__name__}).") from err
+        return dev
     is_available = getattr(mod, "is_available", None)
     if callable(is_available) and not is_available():
         raise _invalid(device, f"{dev.type} is not available on this machine.")
@@ -73,14 +79,22 @@ def _check(device: object) -> torch.device:
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
-    """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached."""
-    if type(device) is not bool:  # True == 1 as a dict key
-        try:
-            return _resolved[device]
-        except (KeyError, TypeError):
-            pass
-    dev = _check(device)
-    _resolved[device] = dev
+    """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached.
+
+    An accelerator named without an index ("cuda") means its current device, as ``.to()`` reads
+    it; the index is filled in on every call, since the current device can change.
+    """
+    key = (type(device), device)  # 0, 0.0, False and np.int64(0) are equal as dict keys
+    try:
+        dev = _resolved[key]
+    except (KeyError, TypeError):
+        dev = _check(device)  # raises for an unhashable device, so the key below is hashable
+        _resolved[key] = dev
+    index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
+    if index is None and dev.type not in HOST_TYPES:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if acc is not None and acc.type == dev.type:
+            return torch.device(dev.type, torch.accelerator.current_device_index())
     return dev
 
 
@@ -97,9 +111,10 @@ def synchronize(device: torch.device) -> None:
 
 
 def synchronize_accelerator() -> None:
-    """Wait for the current accelerator, if there is one (used where the source device is unknown)."""
+    """Wait for every device of the accelerator, if there is one (used where the source is unknown)."""
     if torch.accelerator.is_available():
-        torch.accelerator.synchronize()
+        for index in range(torch.accelerator.device_count()):
+            torch.accelerator.synchronize(index)
 
 
 # ---------------------------------------------------------------- streams

@@ -170,8 +170,8 @@ def _namedtuple_flatten(t: tuple[Any, ...]) -> tuple[list[Any], type]:
     return list(t), type(t)
 
 
-def _namedtuple_unflatten(tp: type, children: list[Any]) -> Any:
-    return tp(*children)
+def _namedtuple_unflatten(tp: Any, children: list[Any]) -> Any:
+    return tp._make(children)  # not tp(*children): a subclass may define __new__ with other arguments
 
 
 def _field_entry(aux: Any, i: int) -> str:
@@ -206,7 +206,8 @@ def _object_flatten(obj: Any) -> tuple[list[Any], _ObjectAux]:
     base = _container_base(tp)
     keys: list[Any] | None = None
     if base is not None and issubclass(base, dict):
-        keys = list(dict.keys(obj))
+        # An OrderedDict keeps its own order, which dict.keys() does not see after move_to_end().
+        keys = list(collections.OrderedDict.keys(obj) if base is collections.OrderedDict else dict.keys(obj))
         children.extend(dict.__getitem__(obj, k) for k in keys)
     elif base is list:
         children.extend(list.__iter__(obj))
@@ -278,6 +279,7 @@ class _Registered(NamedTuple):
 _lock = threading.Lock()
 _registry: dict[type, _Registered] = {}
 _kinds: dict[type, Kind] = {}
+_generation = [0]  # bumped by every registration change
 
 
 def _registered_flatten(flatten: Flatten) -> Flatten:
@@ -360,6 +362,7 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
             warnings.simplefilter("ignore", UserWarning)
             optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
         _registry[cls] = _Registered(flatten, unflatten)
+        _generation[0] += 1
         _kinds.clear()
 
 
@@ -385,6 +388,7 @@ def unregister(cls: type, /) -> None:
             raise ValueError(msg)
         optree.unregister_pytree_node(cls, namespace=NAMESPACE)
         del _registry[cls]
+        _generation[0] += 1
         _kinds.clear()
 
 
@@ -425,9 +429,14 @@ def kind_of(tp: type) -> Kind:
     """The cached classification of ``tp``."""
     kind = _kinds.get(tp)
     if kind is None:
+        # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which
+        # could call back into todevice. A registration made meanwhile makes the answer stale, so
+        # it is only cached when no registration happened since.
+        generation = _generation[0]
+        kind = _classify(tp)
         with _lock:
-            kind = _classify(tp)
-            _kinds[tp] = kind
+            if _generation[0] == generation:
+                _kinds[tp] = kind
     return kind
 
 
@@ -447,12 +456,14 @@ def walk_paths(obj: Any) -> Iterator[tuple[str, Any]]:
     """
     stack: list[tuple[str, Any, bool]] = [("", obj, False)]
     on_path: dict[int, str] = {}
-    done: set[int] = set()
+    # Finished containers, kept alive: a registered flatten may build its children afresh, and the
+    # id of a freed one could be reused by a container not walked yet.
+    done: dict[int, Any] = {}
     while stack:
         path, node, leaving = stack.pop()
         if leaving:
             del on_path[id(node)]
-            done.add(id(node))
+            done[id(node)] = node
             continue
         yield path, node
         kind = kind_of(type(node))
