@@ -165,7 +165,7 @@ def factory(copy, to_object, other, memo, dev, dtype, kind_of, atoms, _Tensor, _
 # One leaf of a dict, list or tuple, inline: a tensor in place costs no call at all. Unpacking a
 # skeleton fills its slots inline as well.
 _LEAF_SOURCE = "((v if {here} else copy(v)) if type(v) is _Tensor else ({slot}(v if type(v) in atoms else walk(v))))"
-_SLOT_SOURCE = "views[v.index] if type(v) is Slot else "
+_SLOT_SOURCE = "views[v] if type(v) is Slot else "
 
 _factories: dict[tuple[str, bool], Callable[..., Any]] = {}
 
@@ -406,15 +406,14 @@ class _Mover:
         self.memo[id(batch)] = (batch, out)
         return out
 
-    def slot(self, s: _tree.Slot | _tree.AliasSlot) -> torch.Tensor:
+    def slot(self, s: _tree.Slot) -> torch.Tensor:
         """A skeleton's slot: the packed tensor, or a new view of it for a distinct tensor over its memory."""
         if self.views is None:
             msg = f"Cannot move {s!r}: a slot only means something inside a PackedBatch's skeleton."
             raise TypeError(msg)
         if type(s) is _tree.Slot:
-            return self.views[s.index]
-        assert type(s) is _tree.AliasSlot
-        view = self.views[s.target.index]
+            return self.views[s]
+        view = self.views[s]
         hit = self.memo.get(id(s))
         if hit is not None:
             return hit[1]  # type: ignore[no-any-return]
@@ -587,11 +586,8 @@ def _run(mover: _Mover, tree: Any, original: Any) -> Any:
 def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
     """Pack the small host tensors, send them in one copy, then move the rest around their views."""
 
-    def small(t: torch.Tensor) -> bool:
-        return t.nbytes <= max_bytes and not t.requires_grad and _pack.packable(t)
-
     try:
-        skeleton, tensors, layout = _pack.take_tensors(obj, small, mover.dtype, _skeleton_walker)
+        skeleton, tensors, layout = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker)
     except RecursionError:
         return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
     mover.views = _send(tensors, layout, mover) if tensors else []

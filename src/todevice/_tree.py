@@ -74,34 +74,26 @@ def _is_atomic_type(tp: type) -> bool:
     return numpy is not None and issubclass(tp, numpy.generic)
 
 
-class Slot:
-    """Where the ``index``-th packed tensor goes back into a skeleton (see ``todevice.pack``)."""
+class Slot(int):
+    """A hole in a packed structure's skeleton: the place of the ``int(self)``-th tensor taken out.
 
-    __slots__ = ("index",)
+    An int, so that making one costs no Python frame (one is made per tensor packed) and filling
+    one is a list index.
+    """
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    __slots__ = ()
 
     def __reduce__(self) -> tuple[type, tuple[int]]:
-        return (type(self), (self.index,))
+        return (type(self), (int(self),))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.index})"
+        return f"{type(self).__name__}({int(self)})"
 
 
-class AliasSlot:
-    """A distinct tensor over the very memory of the tensor in ``target``: filled with a new view of it."""
+class AliasSlot(Slot):
+    """A distinct tensor over the very memory of tensor ``int(self)``: filled with a new view of it."""
 
-    __slots__ = ("target",)
-
-    def __init__(self, target: Slot) -> None:
-        self.target = target
-
-    def __reduce__(self) -> tuple[type, tuple[Slot]]:
-        return (type(self), (self.target,))
-
-    def __repr__(self) -> str:
-        return f"AliasSlot({self.target.index})"
+    __slots__ = ()
 
 
 # ---------------------------------------------------------------- built-in containers
