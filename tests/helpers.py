@@ -132,16 +132,19 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> A
 # ---------------------------------------------------------------- comparison
 
 
-def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (type(t), t.device, t.dtype, tuple(t.shape), t.requires_grad)
+def tensor_signature(t: torch.Tensor, grad: bool = True) -> tuple[Any, ...]:
+    return (type(t), t.device, t.dtype, tuple(t.shape), t.requires_grad if grad else None)
 
 
-def assert_same_tree(actual: Any, expected: Any, path: str = "", *, values: bool = False) -> None:
+def assert_same_tree(
+    actual: Any, expected: Any, path: str = "", *, values: bool = False, grad: bool = True, same: bool = True
+) -> None:
     """Structure, container types and leaves agree; tensors by device, dtype, shape and requires_grad
-    (and values when asked); every other leaf by identity."""
+    (and values when asked); every other leaf by identity (by equality when ``same`` is False, as
+    after a pickle round trip)."""
     assert type(actual) is type(expected), f"{path}: {type(actual)} != {type(expected)}"
     if isinstance(expected, torch.Tensor):
-        assert tensor_signature(actual) == tensor_signature(expected), f"{path}"
+        assert tensor_signature(actual, grad) == tensor_signature(expected, grad), f"{path}"
         if values:
             assert torch.equal(actual.detach(), expected.detach()), f"{path}: values differ"
         return
@@ -150,7 +153,7 @@ def assert_same_tree(actual: Any, expected: Any, path: str = "", *, values: bool
         if isinstance(expected, collections.defaultdict):
             assert actual.default_factory is expected.default_factory
         for k in expected:
-            assert_same_tree(actual[k], expected[k], f"{path}[{k!r}]", values=values)
+            assert_same_tree(actual[k], expected[k], f"{path}[{k!r}]", values=values, grad=grad, same=same)
         if hasattr(expected, "__dict__"):
             assert actual.__dict__.keys() == expected.__dict__.keys()
         return
@@ -159,22 +162,34 @@ def assert_same_tree(actual: Any, expected: Any, path: str = "", *, values: bool
         if isinstance(expected, collections.deque):
             assert actual.maxlen == expected.maxlen
         for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same_tree(a, e, f"{path}[{i}]", values=values)
+            assert_same_tree(a, e, f"{path}[{i}]", values=values, grad=grad, same=same)
         if hasattr(expected, "__dict__") and not isinstance(expected, tuple):
             assert actual.__dict__ == expected.__dict__
         return
     if isinstance(expected, (set, frozenset)):
         # Elements are moved one for one: compare the multisets of what they are.
         def key(v: Any) -> Any:
-            return tensor_signature(v) if isinstance(v, torch.Tensor) else ("atom", id(v))
+            if isinstance(v, torch.Tensor):
+                return tensor_signature(v, grad)
+            return ("atom", id(v) if same else repr(v))
 
         assert sorted(map(repr, map(key, actual))) == sorted(map(repr, map(key, expected))), path
         return
     if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
         for f in dataclasses.fields(expected):
-            assert_same_tree(getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}", values=values)
+            assert_same_tree(
+                getattr(actual, f.name),
+                getattr(expected, f.name),
+                f"{path}.{f.name}",
+                values=values,
+                grad=grad,
+                same=same,
+            )
         return
-    assert actual is expected, f"{path}: {actual!r} is not {expected!r}"
+    if same:
+        assert actual is expected, f"{path}: {actual!r} is not {expected!r}"
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
 
 
 def snapshot(obj: Any) -> Any:

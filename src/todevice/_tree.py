@@ -83,6 +83,16 @@ class Slot(int):
 
     __slots__ = ()
 
+    # Equal to itself only: a skeleton may hold a slot beside a plain int in a set or as a dict
+    # value, and a slot equal to 0 would swallow the 0 in a set.
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
     def __reduce__(self) -> tuple[type, tuple[int]]:
         return (type(self), (int(self),))
 

@@ -1,0 +1,299 @@
+"""The transfer engine on the CPU: pack()/unpack(), layouts, the coalesced path to 'meta', streams."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import todevice
+from tests import helpers, strategies
+from todevice import _move, _pack, _stream, _tree
+
+META = torch.device("meta")
+ROOT = Path(__file__).resolve().parent.parent
+
+hypothesis_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def packed_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors pack() takes from ``tree``, in walk order."""
+    return _pack.take_tensors(tree, None, None, _move._skeleton_walker)[1]
+
+
+# ---------------------------------------------------------------- pack() and unpack()
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_pack_unpack_round_trips_exactly(tree: Any) -> None:
+    out = todevice.pack(tree).unpack()
+    helpers.assert_same_tree(out, helpers.reference_move(tree, "cpu"), values=True)
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_every_view_is_aligned_and_the_buffer_is_tight(tree: Any) -> None:
+    packed = todevice.pack(tree)
+    base = packed.buffer.data_ptr()
+    views = _pack.read(packed.buffer, packed.layout)
+    for v in views:
+        if v.numel():
+            assert (v.data_ptr() - base) % _pack.ALIGN == 0
+            assert v.data_ptr() - base + v.nbytes <= packed.buffer.numel()
+    data = sum(-(-t.nbytes // _pack.ALIGN) * _pack.ALIGN for t in packed_tensors(tree))
+    assert packed.buffer.numel() <= data + _pack.ALIGN * len(packed.layout.groups)
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_packed_batch_pickles_and_round_trips(tree: Any) -> None:
+    packed = pickle.loads(pickle.dumps(todevice.pack(tree)))
+    helpers.assert_same_tree(packed.unpack(), helpers.reference_move(tree, "cpu"), values=True, same=False)
+
+
+@hypothesis_settings
+@given(strategies.trees)
+def test_coalesced_path_to_meta_matches_the_reference(tree: Any) -> None:
+    out = todevice.move(tree, "meta", coalesce=True)
+    helpers.assert_same_tree(out, helpers.reference_move(tree, "meta"))
+
+
+@hypothesis_settings
+@given(strategies.trees, st.sampled_from([torch.float16, torch.float64, torch.complex128]))
+@pytest.mark.filterwarnings("ignore:Casting complex values to real discards:UserWarning")
+def test_coalesced_cast_matches_the_reference(tree: Any, dtype: torch.dtype) -> None:
+    out = todevice.move(tree, "meta", coalesce=True, dtype=dtype)
+    helpers.assert_same_tree(out, helpers.reference_move(tree, "meta", dtype))
+
+
+def test_one_buffer_for_all_tensor_bytes() -> None:
+    tree = {
+        "x": [torch.randn(4) for _ in range(10)],
+        "b": torch.ones(3, dtype=torch.bool),
+        "c": torch.ones(2, dtype=torch.complex64),
+        "h": torch.ones(5, dtype=torch.bfloat16),
+        "s": "text",
+    }
+    packed = todevice.pack(tree)
+    storages = {v.untyped_storage().data_ptr() for v in _flat(packed.unpack())}
+    assert storages == {packed.buffer.untyped_storage().data_ptr()}
+
+
+def _flat(tree: Any) -> list[torch.Tensor]:
+    return [node for _, node in _tree.walk_paths(tree) if isinstance(node, torch.Tensor)]
+
+
+def test_unpack_keeps_non_tensor_leaves_and_types() -> None:
+    tree = {"n": helpers.Point(torch.ones(1), "label"), "r": helpers.FrozenRecord(torch.arange(2), 3), "k": None}
+    out = todevice.pack(tree).unpack()
+    assert type(out["n"]) is helpers.Point and out["n"].y == "label"
+    assert type(out["r"]) is helpers.FrozenRecord and out["r"].b == 3 and out["k"] is None
+
+
+def test_same_tensor_twice_comes_back_as_one_tensor() -> None:
+    t = torch.ones(3)
+    out = todevice.pack({"a": t, "b": [t]}).unpack()
+    assert out["a"] is out["b"][0]
+    assert len(todevice.pack({"a": t, "b": [t]}).layout.order) == 1
+
+
+def test_tied_tensors_come_back_sharing_memory() -> None:
+    base = torch.arange(4.0)
+    out = todevice.pack([base, base.view(4)]).unpack()
+    assert out[0] is not out[1] and out[0].data_ptr() == out[1].data_ptr()
+    out[0][0] = 9.0
+    assert out[1][0] == 9.0
+
+
+def test_tensors_requiring_grad_come_back_as_leaves_requiring_grad() -> None:
+    w = torch.ones(2, requires_grad=True)
+    out = todevice.pack({"w": w}).unpack()
+    assert out["w"].requires_grad and out["w"].is_leaf and torch.equal(out["w"].detach(), w.detach())
+
+
+def test_tensors_that_cannot_be_packed_stay_in_the_structure() -> None:
+    sparse = torch.eye(3).to_sparse()
+    param = torch.nn.Parameter(torch.ones(2))
+    packed = todevice.pack({"s": sparse, "p": param, "x": torch.ones(2)})
+    assert packed.skeleton["s"] is sparse and packed.skeleton["p"] is param
+    assert len(packed.layout.order) == 1
+
+
+def test_pack_a_cyclic_structure_raises() -> None:
+    cyc: list[Any] = [torch.ones(1)]
+    cyc.append(cyc)
+    with pytest.raises(ValueError, match="Cannot pack a cyclic structure"):
+        todevice.pack(cyc)
+
+
+def test_move_accepts_a_packed_batch_anywhere() -> None:
+    inner = todevice.pack({"x": torch.ones(2), "y": [torch.arange(3)]})
+    out = todevice.move({"batch": inner, "z": torch.zeros(1)}, "meta")
+    assert out["batch"]["x"].device == META and out["batch"]["y"][0].device == META
+    assert out["z"].device == META
+
+
+def test_packed_batch_repr() -> None:
+    assert repr(todevice.pack([torch.ones(2), torch.ones(2)])) == "PackedBatch(2 tensors, 32 bytes, 1 groups)"
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def test_same_shape_tensors_share_one_block() -> None:
+    sig = (*[(torch.float32, torch.Size([3]))] * 5, (torch.int64, torch.Size([2, 2])))
+    layout = _pack.make_layout(sig, None)
+    blocks = [g for g in layout.groups if isinstance(g, _pack.Block)]
+    assert len(blocks) == 1 and blocks[0].n == 5 and blocks[0].padded == 4  # 12 bytes padded to 16
+
+
+def test_repeated_moves_reuse_the_plan() -> None:
+    def batch() -> dict[str, Any]:
+        return {"x": [torch.randn(4) for _ in range(8)], "y": torch.arange(5)}
+
+    todevice.move(batch(), "meta", coalesce=True)
+    built = _pack.plans.built
+    for _ in range(3):
+        todevice.move(batch(), "meta", coalesce=True)
+    assert _pack.plans.built == built
+
+
+@pytest.mark.parametrize(
+    ("source", "cast", "stored", "final"),
+    [
+        (torch.float32, torch.float16, torch.float16, torch.float16),  # fewer bytes: cast while packing
+        (torch.float16, torch.float32, torch.float16, torch.float32),  # more bytes: cast after the copy
+        (torch.int64, torch.float16, torch.int64, torch.int64),  # integers are never cast
+        (torch.float32, None, torch.float32, torch.float32),
+    ],
+)
+def test_cast_happens_on_the_side_that_sends_fewer_bytes(
+    source: torch.dtype, cast: torch.dtype | None, stored: torch.dtype, final: torch.dtype
+) -> None:
+    layout = _pack.make_layout(((source, torch.Size([4])), (source, torch.Size([4]))), cast)
+    (group,) = layout.groups
+    assert (group.dtype, group.final) == (stored, final)
+
+
+# ---------------------------------------------------------------- the coalesced path
+
+
+def test_meta_is_not_coalesced_by_default_but_can_be() -> None:
+    tree = [torch.randn(4) for _ in range(4)]
+    plain = todevice.move(tree, "meta")
+    assert all(t._base is None for t in plain)
+    coalesced = todevice.move(tree, "meta", coalesce=True)
+    assert all(t._base is not None for t in coalesced)  # views of one buffer
+
+
+def test_cpu_target_is_never_coalesced() -> None:
+    tree = [torch.randn(4) for _ in range(4)]
+    out = todevice.move(tree, "cpu", coalesce=True, dtype=torch.float64)
+    assert all(t._base is None for t in out)
+
+
+def test_large_and_grad_leaves_are_moved_alone() -> None:
+    big = torch.randn(64)
+    grad = torch.ones(2, requires_grad=True)
+    out = todevice.move(
+        {"big": big, "grad": grad, "small": torch.ones(2)}, "meta", coalesce=True, coalesce_max_bytes=64
+    )
+    assert out["big"]._base is None and out["small"]._base is not None
+    assert out["grad"].requires_grad and out["grad"].grad_fn is not None
+
+
+def test_coalesced_aliases_and_tied_weights() -> None:
+    t = torch.ones(3)
+    tied = t.view(3)
+    out = todevice.move({"a": t, "b": [t], "c": tied}, "meta", coalesce=True)
+    assert out["a"] is out["b"][0]
+    assert out["c"] is not out["a"] and out["c"].shape == (3,)
+
+
+def test_coalesced_errors_still_name_paths() -> None:
+    class Broken:
+        def to(self, device: Any) -> Any:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match=r"Cannot move \['k'\]\[1\] \(.*Broken\) to meta: boom"):
+        todevice.move({"k": [torch.ones(1), Broken()]}, "meta", coalesce=True)
+
+
+def test_staging_falls_back_to_pageable_memory_without_warnings() -> None:
+    staging = _pack.pinning.empty(64)
+    assert staging.numel() == 64 and staging.dtype == torch.uint8
+    if not torch.accelerator.is_available():
+        assert _pack.pinning.available is False and not staging.is_pinned()
+
+
+# ---------------------------------------------------------------- streams, with stand-ins
+
+
+class FakeStream:
+    """Records what the engine asks of a stream."""
+
+    def __init__(self, name: str, log: list[tuple[str, ...]]) -> None:
+        self.name, self.log = name, log
+        self.device = torch.device("meta")
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait", self.name, other.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def test_copies_run_on_the_side_stream_and_are_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[tuple[str, ...]] = []
+    user, side = FakeStream("user", log), FakeStream("side", log)
+    current = [user]
+    monkeypatch.setattr(_stream.torch.accelerator, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(
+        _stream.torch.accelerator, "set_stream", lambda s: (current.__setitem__(0, s), log.append(("set", s.name)))
+    )
+    recorded: list[str] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: recorded.append(s.name))
+    seen_streams: list[str] = []
+    real_to = torch.Tensor.to
+
+    def spy_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen_streams.append(current[0].name)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    tree = {"small": [torch.ones(2) for _ in range(3)], "big": torch.ones(100)}
+    out = todevice.move(tree, "meta", coalesce=True, coalesce_max_bytes=64, stream=side)  # type: ignore[arg-type]
+    assert out["small"][0].device == META and out["big"].device == META
+    assert log[0] == ("wait", "side", "user")  # the side stream waits for work already queued
+    assert log[1] == ("set", "side")
+    assert set(seen_streams) == {"side"}  # every copy was issued on the side stream
+    assert ("set", "user") in log and log.index(("set", "user")) < log.index(("wait", "user", "side"))
+    assert current[0] is user  # the user's stream is current again
+    assert recorded == ["user"] * len(recorded) and len(recorded) == 2  # the coalesced buffer and "big"
+
+
+# ---------------------------------------------------------------- across a real device boundary
+
+
+def test_values_across_a_real_device_boundary() -> None:
+    """tests/backend: a PrivateUse1 test accelerator, in a process of its own (it changes torch)."""
+    env = {**os.environ, "TODEVICE_TDTEST": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/backend"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " passed" in done.stdout and "skipped" not in done.stdout
