@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m todevice", description=todevice.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, accelerators, pinned memory and the default device")
-    bench = sub.add_parser("bench", help="time move() against the hand-written helper and the peers")
+    bench = sub.add_parser(
+        "bench", help="time move() against the hand-written helper and the peers, and the transfer engine"
+    )
     bench.add_argument("--rounds", type=int, default=30, help="interleaved rounds per cell (default 30)")
     bench.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
@@ -41,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from todevice import _bench
 
-        _bench.main(rounds=args.rounds, json_path=args.json)
+        overhead = _bench.main(rounds=args.rounds)
+        print()
+        transfer = _bench.transfer_main(rounds=args.rounds)
+        if args.json is not None:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump({"environment": _bench.environment(), "rows": overhead, "transfer": transfer}, f, indent=2)
+            print(f"wrote {args.json}")
     return 0
 
 

@@ -187,3 +187,150 @@ def main(rounds: int = 30, json_path: str | None = None) -> list[dict[str, Any]]
             json.dump({"environment": environment(), "rows": rows}, f, indent=2)
         print(f"wrote {json_path}")
     return rows
+
+
+# ---------------------------------------------------------------- the transfer benchmark
+
+
+def mixed_small_batch(n: int = 1000) -> dict[str, Any]:
+    """A nested batch of ``n`` small tensors of mixed dtypes, as a DataLoader hands them over."""
+    groups = n // 10
+    return {
+        f"sample_{i}": {
+            "features": [torch.randn(16) for _ in range(5)],
+            "ids": torch.randint(0, 1000, (8,)),
+            "mask": torch.rand(8) > 0.5,
+            "half": torch.randn(4, 4).to(torch.bfloat16),
+            "pair": (torch.randn(3).to(torch.float64), torch.randn(2, dtype=torch.complex64)),
+            "name": f"s{i}",
+        }
+        for i in range(groups)
+    }
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    from todevice import _tree
+
+    return [node for _, node in _tree.walk_paths(tree) if isinstance(node, torch.Tensor)]
+
+
+def host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
+    """Host time of pack(batch).unpack() against per-leaf .to('meta') of the same leaves, one run."""
+    rng = random.Random(seed)
+    batch = mixed_small_batch()
+    leaves = tensor_leaves(batch)
+    meta = torch.device("meta")
+    funcs: dict[str, Callable[[], Any]] = {
+        "pack(batch).unpack()": lambda: todevice.pack(batch).unpack(),
+        "per-leaf .to('meta')": lambda: [t.to(meta) for t in leaves],
+        "move(batch, 'meta', coalesce=True)": lambda: todevice.move(batch, meta, coalesce=True),
+        "move(batch, 'meta')": lambda: todevice.move(batch, meta),
+    }
+    for fn in funcs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in funcs}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            order = list(funcs)
+            rng.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                funcs[name]()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    base = statistics.median(times["per-leaf .to('meta')"])
+    return [
+        {
+            "workload": f"nested batch, {len(leaves)} small mixed-dtype tensors",
+            "contender": name,
+            "median_us": statistics.median(t) * 1e6,
+            "x_per_leaf_to": statistics.median(t) / base,
+        }
+        for name, t in times.items()
+    ]
+
+
+def _device_workloads() -> dict[str, list[torch.Tensor]]:
+    kib, mib = 1024, 1024 * 1024
+    mixed = [torch.empty(4 * kib // 4) for _ in range(500)] + [torch.empty(mib // 4) for _ in range(20)]
+    mixed += [torch.empty(16 * mib // 2, dtype=torch.float16) for _ in range(2)]
+    return {
+        "1,000 x 4 KiB": [torch.empty(kib) for _ in range(1000)],
+        "100 x 1 MiB": [torch.empty(mib // 4) for _ in range(100)],
+        "8 x 64 MiB": [torch.empty(16 * mib) for _ in range(8)],
+        "mixed (500 x 4 KiB, 20 x 1 MiB, 2 x 16 MiB)": mixed,
+    }
+
+
+def _device_contenders(leaves: list[torch.Tensor], dev: torch.device) -> dict[str, Callable[[], Any]]:
+    return {
+        "todevice.move": lambda: todevice.move(leaves, dev),
+        "per-leaf .to(non_blocking=True)": lambda: [t.to(dev, non_blocking=True) for t in leaves],
+        "hand-written helper": lambda: recursive_to_device(leaves, dev),
+    }
+
+
+def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
+    """Host-to-device GB/s of move() against per-leaf .to() and the helper; or why it cannot run."""
+    if not torch.accelerator.is_available():
+        return "no accelerator on this machine (torch.accelerator.is_available() is False)"
+    acc = torch.accelerator.current_accelerator()
+    assert acc is not None
+    dev = torch.device(acc.type, torch.accelerator.current_device_index())
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()  # warm-up: allocator, pinned staging, plan
+        torch.accelerator.synchronize()
+        samples = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            torch.accelerator.synchronize()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    rows: list[dict[str, Any]] = []
+    limit = torch.empty(256 * 1024 * 1024, dtype=torch.uint8).pin_memory()
+    single = timed(lambda: limit.to(dev, non_blocking=True))
+    rows.append(
+        {
+            "workload": "one pinned 256 MiB copy (the link's practical limit)",
+            "contender": "tensor.to()",
+            "gb_per_s": limit.nbytes / single / 1e9,
+            "x_single_copy": 1.0,
+        }
+    )
+    limit_gbs = limit.nbytes / single / 1e9
+    for name, leaves in _device_workloads().items():
+        nbytes = sum(t.nbytes for t in leaves)
+        funcs = _device_contenders(leaves, dev)
+        for cname, fn in funcs.items():
+            gbs = nbytes / timed(fn) / 1e9
+            rows.append({"workload": name, "contender": cname, "gb_per_s": gbs, "x_single_copy": gbs / limit_gbs})
+    return rows
+
+
+def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, Any]:
+    host = host_rows(rounds=rounds)
+    print("Transfer engine, host side: what coalescing costs the host (medians; lower is better).")
+    print("| workload | contender | median (us) | time / per-leaf .to('meta') |")
+    print("|---|---|---:|---:|")
+    for r in host:
+        print(f"| {r['workload']} | {r['contender']} | {r['median_us']:.0f} | {r['x_per_leaf_to']:.2f}x |")
+    device = device_rows()
+    if isinstance(device, str):
+        print(f"\nHost-to-device bandwidth: skipped, {device}.")
+    else:
+        print("\n| workload | contender | GB/s | of the single-copy figure |")
+        print("|---|---|---:|---:|")
+        for r in device:
+            print(f"| {r['workload']} | {r['contender']} | {r['gb_per_s']:.1f} | {r['x_single_copy']:.0%} |")
+    result = {"environment": environment(), "host": host, "device": device}
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {json_path}")
+    return result
