@@ -114,6 +114,7 @@ class _PlanCache:
     def __init__(self, size: int = 64) -> None:
         self.size = size
         self.built = 0  # how many layouts were computed, not found: the tests read it
+        self.last_count = 0  # tensors in the last layout asked for: the next batch is likely alike
         self._plans: collections.OrderedDict[Any, Layout] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -257,20 +258,45 @@ _DENSE_DTYPES = frozenset(
 _strided = torch.strided
 
 
+class _SlotPool:
+    """Slot objects made once and shared: a skeleton takes one per tensor, and ints are immutable."""
+
+    def __init__(self) -> None:
+        self.slots: list[_tree.Slot] = []
+        self._lock = threading.Lock()
+
+    def at_least(self, n: int) -> list[_tree.Slot]:
+        slots = self.slots
+        if len(slots) < n:
+            with self._lock:
+                size = max(n, 2 * len(self.slots), 4096)
+                if len(self.slots) < size:
+                    self.slots = self.slots + [_tree.Slot(i) for i in range(len(self.slots), size)]
+                slots = self.slots
+        return slots
+
+
+_slot_pool = _SlotPool()
+
+
 class _Skeleton:
     """What the packing walk keeps: the tensors it took, in walk order, and where they were.
 
     ``take`` runs once per tensor, so it is a closure over locals with the selection written out:
-    each attribute lookup or call it saves is ~5% of the packing walk.
+    each attribute lookup or call it saves is ~5% of the packing walk. The first walk is
+    optimistic: it assumes no tensor is met twice and none shares memory with another, and checks
+    that afterwards in bulk (``take_tensors``); only when the check fails does a careful walk run.
     """
 
-    def __init__(self, max_bytes: int | None, strict: bool = False) -> None:
+    def __init__(self, max_bytes: int | None, careful: bool = False, expected: int = 0) -> None:
         self.tensors: list[torch.Tensor] = []
         self.by_ptr: dict[int, int] = {}  # data_ptr -> index of the first tensor taken there
-        self.by_id: dict[int, Any] = {}  # tensors over a taken tensor's memory, and those without memory
-        tensors, by_ptr, rare = self.tensors, self.by_ptr, self._rare
+        self.by_id: dict[int, Any] = {}  # tensors met again, over taken memory, or with no memory
+        tensors = self.tensors
         append = tensors.append
-        dense, Slot = _DENSE_DTYPES, _tree.Slot
+        dense = _DENSE_DTYPES
+        slots = _slot_pool.at_least(expected)
+        Slot = _tree.Slot
 
         def take(t: torch.Tensor) -> Any:
             """A slot for ``t``, or ``t`` itself when it is not packed."""
@@ -278,29 +304,28 @@ class _Skeleton:
                 return t  # stays in the skeleton as it is
             if max_bytes is not None and (t.requires_grad or t.nbytes > max_bytes):
                 return t  # move() coalesces small tensors that need no autograd only
-            if strict and (t.layout is not _strided or t.is_nested):
-                return t
+            n = len(tensors)
+            append(t)
             try:
-                ptr = t.data_ptr()
-            except RuntimeError:  # sparse and other tensors without a storage of their own
-                return t
-            if ptr:
-                first = by_ptr.get(ptr)
-                if first is None:
-                    by_ptr[ptr] = n = len(tensors)
-                    append(t)
-                    return Slot(n)
-                if tensors[first] is t:
-                    return Slot(first)  # the same tensor again: the same slot
-            return rare(t, ptr)
+                return slots[n]
+            except IndexError:
+                return Slot(n)
 
-        self.take = take
+        self.take = self._careful if careful else take
+        self.max_bytes = max_bytes
 
-    def _rare(self, t: torch.Tensor, ptr: int) -> Any:
-        """A tensor at an address taken before, or with no memory: by identity, then by memory."""
+    def _careful(self, t: torch.Tensor) -> Any:
+        """``take`` for a structure that repeats tensors, ties memory, or holds exotic tensors."""
+        if type(t) is not _Tensor or not t.is_cpu or t.dtype not in _DENSE_DTYPES:
+            return t
+        if self.max_bytes is not None and (t.requires_grad or t.nbytes > self.max_bytes):
+            return t
+        if t.layout is not _strided or t.is_nested:
+            return t  # sparse, mkldnn and nested tensors travel as they are
+        ptr = t.data_ptr()
         seen = self.by_id.get(id(t))
         if seen is not None:
-            return seen[1]
+            return seen[1]  # the same tensor again: the same slot
         first = self.by_ptr.get(ptr) if ptr else None
         other = self.tensors[first] if first is not None else None
         if (
@@ -316,6 +341,8 @@ class _Skeleton:
             slot: Any = _tree.AliasSlot(first)  # tied memory: a new view of the same packed tensor
         else:
             slot = _tree.Slot(len(self.tensors))
+            if ptr and first is None:
+                self.by_ptr[ptr] = len(self.tensors)
             self.tensors.append(t)
         self.by_id[id(t)] = (t, slot)  # the tensor kept alive, so its id stays its own
         return slot
@@ -330,15 +357,24 @@ def take_tensors(
     no autograd. ``walker(take)`` builds the walk (in ``_move``, which owns the container rules)
     that calls ``take`` on every tensor.
     """
-    sk = _Skeleton(max_bytes)
+    sk = _Skeleton(max_bytes, expected=plans.last_count)
     skeleton = walker(sk.take)(obj)
+    tensors = sk.tensors
     try:
-        signature = tuple([(t.dtype, t.shape) for t in sk.tensors])
-    except RuntimeError:  # a nested tensor has no single shape: walk again, checking each tensor fully
-        sk = _Skeleton(max_bytes, strict=True)
+        # One C loop each: a repeated address means a tensor met twice or memory shared, and
+        # sparse or nested tensors refuse data_ptr() or shape; the careful walk sorts those out.
+        ptrs = set(map(_Tensor.data_ptr, tensors))
+        signature = tuple([(t.dtype, t.shape) for t in tensors])
+        clean = len(ptrs) == len(tensors)
+    except RuntimeError:
+        clean = False
+    if not clean:
+        sk = _Skeleton(max_bytes, careful=True)
         skeleton = walker(sk.take)(obj)
-        signature = tuple([(t.dtype, t.shape) for t in sk.tensors])
-    return skeleton, sk.tensors, plans.get(signature, cast)
+        tensors = sk.tensors
+        signature = tuple([(t.dtype, t.shape) for t in tensors])
+    plans.last_count = len(tensors)
+    return skeleton, tensors, plans.get(signature, cast)
 
 
 def pack(obj: Any, /) -> PackedBatch:
