@@ -1,5 +1,6 @@
 """todevice: move any nested structure of PyTorch tensors to a device, fast and correctly."""
 
+from todevice._data import collate, prefetch
 from todevice._move import COALESCE_MAX_BYTES, move
 from todevice._pack import PackedBatch, pack
 from todevice._tree import register, unregister
@@ -16,4 +17,7 @@ __all__ = [  # noqa: RUF022 (grouped by capability, as the style guide asks)
     # containers
     "register",
     "unregister",
+    # data loading
+    "collate",
+    "prefetch",
 ]

@@ -402,7 +402,9 @@ class _Mover:
         hit = self.memo.get(id(batch))
         if hit is not None:
             return hit[1]
-        out = batch.unpack(self.dev, non_blocking=self.non_blocking)
+        out, inner = _unpack(batch, self.dev, self.non_blocking)
+        self.buffers.extend(inner.outputs())  # recorded on the user's stream with the rest
+        self.wait_for |= inner.wait_for
         self.memo[id(batch)] = (batch, out)
         return out
 
@@ -542,28 +544,65 @@ def move(
     dev = _stream.resolve_device(device)
     if dtype is not None:
         _check_dtype(dtype)
-    if coalesce is None:
-        coalesce = dev.type not in _stream.HOST_TYPES
-    elif coalesce:
-        coalesce = dev.type != "cpu"
     user_stream = None
     if stream is not None:
         user_stream = _stream.enter_stream(stream, dev)
     try:
-        mover = _Mover(dev, non_blocking, dtype, strict)
-        if stream is not None and user_stream is not None:
-            mover.object_streams = (user_stream, stream)
-        out = _coalesced(mover, obj, coalesce_max_bytes) if coalesce else _run(mover, obj, obj)
+        out, mover = _move(obj, dev, non_blocking, dtype, coalesce, coalesce_max_bytes, strict, user_stream, stream)
     finally:
         if user_stream is not None:
             _stream.leave_stream(user_stream)
-    if mover.unknown:
-        raise TypeError(_strict_message(obj, mover.unknown))
     if user_stream is not None:
         assert stream is not None
         _stream.hand_over(stream, user_stream, mover.outputs())
     mover.finish()
     return out  # type: ignore[no-any-return]
+
+
+def _move(
+    obj: Any,
+    dev: torch.device,
+    non_blocking: bool,
+    dtype: torch.dtype | None,
+    coalesce: bool | None,
+    coalesce_max_bytes: int,
+    strict: bool,
+    user_stream: torch.Stream | None = None,
+    side_stream: torch.Stream | None = None,
+) -> tuple[Any, _Mover]:
+    """The walk of move(), on whatever stream is current: the result and the mover that made it."""
+    if coalesce is None:
+        coalesce = dev.type not in _stream.HOST_TYPES
+    elif coalesce:
+        coalesce = dev.type != "cpu"
+    mover = _Mover(dev, non_blocking, dtype, strict)
+    if user_stream is not None and side_stream is not None:
+        mover.object_streams = (user_stream, side_stream)
+    out = _coalesced(mover, obj, coalesce_max_bytes) if coalesce else _run(mover, obj, obj)
+    if mover.unknown:
+        raise TypeError(_strict_message(obj, mover.unknown))
+    return out, mover
+
+
+def move_on_stream(
+    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream
+) -> tuple[Any, list[torch.Tensor], torch.Event]:
+    """For prefetch(): move ``batch`` with copies on ``side``; the outputs and an event after them.
+
+    Nothing is handed over yet: the consumer's stream waits for the event only when the batch is
+    used, so the copies of later batches overlap the work on earlier ones.
+    """
+    user = _stream.enter_stream(side, dev)
+    try:
+        if type(batch) is _pack.PackedBatch:
+            out, mover = _unpack(batch, dev, non_blocking)
+        else:
+            out, mover = _move(batch, dev, non_blocking, None, None, COALESCE_MAX_BYTES, False, user, side)
+        copied = _stream.record_event(side, dev)
+    finally:
+        _stream.leave_stream(user)
+    mover.finish()
+    return out, mover.outputs(), copied
 
 
 def _run(mover: _Mover, tree: Any, original: Any) -> Any:
@@ -587,7 +626,7 @@ def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
     """Pack the small host tensors, send them in one copy, then move the rest around their views."""
 
     try:
-        skeleton, tensors, layout = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker)
+        skeleton, tensors, layout, _ = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker)
     except RecursionError:
         return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
     mover.views = _send(tensors, layout, mover) if tensors else []
@@ -613,6 +652,12 @@ def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover) -> l
 def unpack(batch: _pack.PackedBatch, device: DeviceLike | None = None, *, non_blocking: bool = True) -> Any:
     """``batch``'s structure back, its packed tensors as views of one buffer on ``device`` (None: the host)."""
     dev = torch.device("cpu") if device is None else _stream.resolve_device(device)
+    out, mover = _unpack(batch, dev, non_blocking)
+    mover.finish()
+    return out
+
+
+def _unpack(batch: _pack.PackedBatch, dev: torch.device, non_blocking: bool) -> tuple[Any, _Mover]:
     buffer = batch.buffer
     mover = _Mover(dev, non_blocking, None, False)
     if buffer.device != dev:
@@ -624,9 +669,7 @@ def unpack(batch: _pack.PackedBatch, device: DeviceLike | None = None, *, non_bl
         views[k] = views[k].requires_grad_()
     mover.views = views
     mover.walk, mover.tensor = mover._build()
-    out = _run(mover, batch.skeleton, batch.skeleton)
-    mover.finish()
-    return out
+    return _run(mover, batch.skeleton, batch.skeleton), mover
 
 
 def _deep(mover: _Mover, obj: Any) -> Any:

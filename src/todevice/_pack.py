@@ -292,7 +292,8 @@ class _Skeleton:
         self.tensors: list[torch.Tensor] = []
         self.by_ptr: dict[int, int] = {}  # data_ptr -> index of the first tensor taken there
         self.by_id: dict[int, Any] = {}  # tensors met again, over taken memory, or with no memory
-        tensors = self.tensors
+        self.loose: list[torch.Tensor] = []  # tensors left in the skeleton as they are
+        tensors, loose = self.tensors, self.loose
         append = tensors.append
         dense = _DENSE_DTYPES
         slots = _slot_pool.at_least(expected)
@@ -301,8 +302,10 @@ class _Skeleton:
         def take(t: torch.Tensor) -> Any:
             """A slot for ``t``, or ``t`` itself when it is not packed."""
             if type(t) is not _Tensor or not t.is_cpu or t.dtype not in dense:
+                loose.append(t)
                 return t  # stays in the skeleton as it is
             if max_bytes is not None and (t.requires_grad or t.nbytes > max_bytes):
+                loose.append(t)
                 return t  # move() coalesces small tensors that need no autograd only
             n = len(tensors)
             append(t)
@@ -316,12 +319,16 @@ class _Skeleton:
 
     def _careful(self, t: torch.Tensor) -> Any:
         """``take`` for a structure that repeats tensors, ties memory, or holds exotic tensors."""
-        if type(t) is not _Tensor or not t.is_cpu or t.dtype not in _DENSE_DTYPES:
+        if (
+            type(t) is not _Tensor
+            or not t.is_cpu
+            or t.dtype not in _DENSE_DTYPES
+            or (self.max_bytes is not None and (t.requires_grad or t.nbytes > self.max_bytes))
+            or t.layout is not _strided  # sparse and mkldnn tensors travel as they are
+            or t.is_nested
+        ):
+            self.loose.append(t)
             return t
-        if self.max_bytes is not None and (t.requires_grad or t.nbytes > self.max_bytes):
-            return t
-        if t.layout is not _strided or t.is_nested:
-            return t  # sparse, mkldnn and nested tensors travel as they are
         ptr = t.data_ptr()
         seen = self.by_id.get(id(t))
         if seen is not None:
@@ -350,8 +357,8 @@ class _Skeleton:
 
 def take_tensors(
     obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any]
-) -> tuple[Any, list[torch.Tensor], Layout]:
-    """Walk ``obj``: the skeleton, the packed tensors in walk order, and their layout.
+) -> tuple[Any, list[torch.Tensor], Layout, int]:
+    """Walk ``obj``: the skeleton, the packed tensors in walk order, their layout, and how many were not packed.
 
     Packs every plain dense CPU tensor, or with ``max_bytes`` only those up to that size that need
     no autograd. ``walker(take)`` builds the walk (in ``_move``, which owns the container rules)
@@ -374,10 +381,10 @@ def take_tensors(
         tensors = sk.tensors
         signature = tuple([(t.dtype, t.shape) for t in tensors])
     plans.last_count = len(tensors)
-    return skeleton, tensors, plans.get(signature, cast)
+    return skeleton, tensors, plans.get(signature, cast), len(sk.loose)
 
 
-def pack(obj: Any, /) -> PackedBatch:
+def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
     """Pack every plain dense host tensor in ``obj`` into one buffer: the host half of a transfer.
 
     The result holds one uint8 buffer with the bytes of every packed tensor (each at a 16-byte
@@ -397,6 +404,7 @@ def pack(obj: Any, /) -> PackedBatch:
 
     Args:
         obj: Any structure :func:`todevice.move` accepts.
+        shared: Put the buffer in shared memory, as a DataLoader worker wants it.
 
     Returns:
         The :class:`todevice.PackedBatch`.
@@ -409,7 +417,7 @@ def pack(obj: Any, /) -> PackedBatch:
     from todevice import _move  # the walk and its container rules live there; imported late, one way
 
     try:
-        skeleton, tensors, layout = take_tensors(obj, None, None, _move._skeleton_walker)
+        skeleton, tensors, layout, loose = take_tensors(obj, None, None, _move._skeleton_walker)
     except RecursionError as err:
         try:
             for _ in _tree.walk_paths(obj):
@@ -421,9 +429,15 @@ def pack(obj: Any, /) -> PackedBatch:
     requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
     for k in requires_grad:
         tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
-    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    if shared:
+        # In a DataLoader worker: straight into shared memory, so that sending it to the main
+        # process copies nothing (as default_collate does for each of its tensors).
+        storage = torch.UntypedStorage._new_shared(layout.nbytes)  # type: ignore[no-untyped-call]
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+    else:
+        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
     write(buffer, layout, tensors)
-    return PackedBatch(buffer, layout, skeleton, requires_grad)
+    return PackedBatch(buffer, layout, skeleton, requires_grad, loose)
 
 
 class PackedBatch:
@@ -446,15 +460,35 @@ class PackedBatch:
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, buffer: torch.Tensor, layout: Layout, skeleton: Any, requires_grad: tuple[int, ...]) -> None:
+    def __init__(
+        self, buffer: torch.Tensor, layout: Layout, skeleton: Any, requires_grad: tuple[int, ...], loose: int = 0
+    ) -> None:
         self.buffer = buffer
         self.layout = layout
         self.skeleton = skeleton
         self.requires_grad = requires_grad  # slots whose tensor required grad
+        self.loose = loose  # tensors left in the skeleton, not packed (sparse, subclasses, ...)
 
     def __repr__(self) -> str:
         n = len(self.layout.order)
         return f"PackedBatch({n} tensors, {self.layout.nbytes} bytes, {len(self.layout.groups)} groups)"
+
+    def pin_memory(self, device: Any = None) -> PackedBatch:
+        """This batch with its buffer in page-locked memory: one call, whatever the batch holds.
+
+        ``DataLoader(pin_memory=True)`` calls it. Where no pinned memory exists, the batch comes back
+        as it is. Tensors that could not be packed are pinned one by one, as the DataLoader does.
+        """
+        try:
+            buffer = self.buffer.pin_memory()
+        except RuntimeError:  # no accelerator, or a backend without pinned memory
+            return self
+        skeleton = self.skeleton
+        if self.loose:
+            from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
+
+            skeleton = pin_structure(skeleton)  # type: ignore[no-untyped-call]
+        return PackedBatch(buffer, self.layout, skeleton, self.requires_grad, self.loose)
 
     def unpack(self, device: Any = None, *, non_blocking: bool = True) -> Any:
         """The structure back, its packed tensors as views of one buffer on ``device``.

@@ -150,3 +150,27 @@ def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor
     for t in outputs:
         if t.device.type == user.device.type:
             t.record_stream(user)
+
+
+def has_streams(device: torch.device) -> bool:
+    """Whether copies to ``device`` can run on a side stream: the current accelerator's devices."""
+    if not torch.accelerator.is_available():
+        return False
+    acc = torch.accelerator.current_accelerator()
+    return acc is not None and acc.type == device.type
+
+
+def record_event(stream: torch.Stream, device: torch.device) -> torch.Event:
+    """An event marking everything queued on ``stream`` so far."""
+    event = torch.Event(device=device)
+    event.record(stream)
+    return event
+
+
+def receive(copied: torch.Event, outputs: list[torch.Tensor], device: torch.device) -> None:
+    """Make tensors copied on a side stream safe on the current stream, when they are about to be used."""
+    user = torch.accelerator.current_stream(device)
+    user.wait_event(copied)
+    for t in outputs:
+        if t.device.type == device.type:
+            t.record_stream(user)

@@ -1,0 +1,164 @@
+"""DataLoader integration: collate() packs each batch in the worker, prefetch() moves batches ahead."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.utils.data
+from torch.utils.data._utils.collate import collate as _collate
+from torch.utils.data._utils.collate import default_collate_fn_map
+
+from todevice import _move, _pack, _stream
+from todevice._stream import DeviceLike
+
+B = TypeVar("B")
+
+
+def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    # default_collate stacks each field straight into a shared-memory segment when it runs in a
+    # worker; the batch is packed into one buffer right after, so those segments would be waste.
+    return torch.stack(batch, 0)
+
+
+# default_collate's rules, with plain stacking for tensors: same values and types, no shared memory.
+_worker_collate_map = {**default_collate_fn_map, torch.Tensor: _stack}
+
+
+def _default_collate_for_packing(batch: Any) -> Any:
+    return _collate(batch, collate_fn_map=_worker_collate_map)
+
+
+class collate:  # named like a function: it stands where a collate_fn goes
+    """A ``collate_fn`` that packs each batch in the DataLoader worker into one buffer.
+
+    In a worker process it runs ``collate_fn`` (torch's ``default_collate`` when None), then
+    :func:`todevice.pack` the result. The batch then crosses to the main process as one
+    shared-memory buffer, not one segment and one file descriptor per tensor.
+    ``DataLoader(pin_memory=True)`` pins that buffer in one call (:meth:`PackedBatch.pin_memory`).
+    :func:`todevice.prefetch` or :func:`todevice.move` turn it back into the batch. In the main
+    process (``num_workers=0``), it returns the batch as ``collate_fn`` made it, moved to
+    ``device`` when one is given.
+
+    It pickles, so it works with the fork, spawn and forkserver start methods and with
+    persistent workers.
+
+    Example:
+        >>> import torch, todevice
+        >>> from torch.utils.data import DataLoader
+        >>> data = [{"x": torch.full((2,), float(i)), "label": i} for i in range(4)]
+        >>> loader = DataLoader(data, batch_size=2, collate_fn=todevice.collate())
+        >>> [batch["label"].tolist() for batch in todevice.prefetch(loader, "cpu")]
+        [[0, 1], [2, 3]]
+
+    Args:
+        collate_fn: The collate function to run first; torch's ``default_collate`` when None.
+        device: In the main process, move each batch there.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, *, device: DeviceLike | None = None):
+        self.collate_fn = collate_fn
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"todevice.collate({self.collate_fn!r}, device={self.device!r})"
+
+    def __call__(self, samples: list[Any]) -> Any:
+        in_worker = torch.utils.data.get_worker_info() is not None
+        if self.collate_fn is not None:
+            batch = self.collate_fn(samples)
+        elif in_worker:
+            batch = _default_collate_for_packing(samples)
+        else:
+            batch = torch.utils.data.default_collate(samples)
+        if in_worker:
+            return _pack.pack(batch, shared=True)
+        if self.device is not None:
+            return _move.move(batch, self.device)
+        return batch
+
+
+class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a loop header
+    """Iterate over ``iterable`` with each batch already on ``device``, the next ones on their way.
+
+    Each batch is moved with :func:`todevice.move` (or unpacked, when it is a PackedBatch from
+    :func:`todevice.collate`). On a backend with streams, up to ``depth`` batches are copied ahead on
+    a side stream. The stream is made once per ``prefetch`` object and reused every epoch. Each
+    batch is handed over safely: the current stream waits for its copy, and its tensors are
+    recorded on the current stream. An exception from ``iterable`` reaches the loop unchanged. A
+    ``break`` leaves no work behind: the side stream is waited for when the loop's iterator closes.
+
+    Re-iterable (a new pass each ``for``), and sized when ``iterable`` is.
+
+    Example:
+        >>> import torch, todevice
+        >>> batches = [{"x": torch.ones(2)}, {"x": torch.zeros(2)}]
+        >>> [b["x"].device.type for b in todevice.prefetch(batches, "meta")]
+        ['meta', 'meta']
+
+    Args:
+        iterable: A DataLoader, or any iterable of batches.
+        device: Where the batches go.
+        depth: How many batches may be in flight ahead of the one in use (at least 1).
+        non_blocking: As in :func:`todevice.move`.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, iterable: Iterable[B], device: DeviceLike, *, depth: int = 2, non_blocking: bool = True):
+        if depth < 1:
+            msg = f"Cannot prefetch with depth={depth}: depth counts the batches in flight and must be 1 or more."
+            raise ValueError(msg)
+        self.iterable = iterable
+        self.device = _stream.resolve_device(device)
+        self.depth = depth
+        self.non_blocking = non_blocking
+        self._side: torch.Stream | None = None
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"todevice.prefetch({self.iterable!r}, {str(self.device)!r}, depth={self.depth})"
+
+    def _side_stream(self) -> torch.Stream | None:
+        """The side stream, made once; None where the device has no streams."""
+        if self._side is None and _stream.has_streams(self.device):
+            self._side = torch.Stream(device=self.device)
+        return self._side
+
+    def __iter__(self) -> Iterator[B]:
+        side = self._side_stream()
+        if side is None:
+            return self._plain()
+        return self._ahead(side)
+
+    def _plain(self) -> Iterator[B]:
+        for batch in self.iterable:
+            yield _move.move(batch, self.device, non_blocking=self.non_blocking)
+
+    def _ahead(self, side: torch.Stream) -> Iterator[B]:
+        pending: collections.deque[tuple[Any, list[torch.Tensor], torch.Event]] = collections.deque()
+        source = iter(self.iterable)
+        try:
+            exhausted = False
+            while True:
+                while not exhausted and len(pending) <= self.depth:
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append(_move.move_on_stream(batch, self.device, self.non_blocking, side))
+                if not pending:
+                    return
+                out, outputs, copied = pending.popleft()
+                _stream.receive(copied, outputs, self.device)
+                yield out
+        finally:
+            if pending:
+                side.synchronize()  # a break or an error: no copy is left running behind the loop
