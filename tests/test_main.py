@@ -26,7 +26,7 @@ def test_info_prints_versions_accelerators_pinning_and_default_device() -> None:
 
 def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     path = tmp_path / "overhead.json"
-    out = run("bench", "--rounds", "1", "--json", str(path))
+    out = run("bench", "--rounds", "1", "--batches", "2", "--json", str(path))
     assert "| nested batch | cpu | todevice.move |" in out
     assert "| flat dict | meta | hand-written helper |" in out
     data = json.loads(path.read_text())
@@ -35,3 +35,6 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     assert all(r["median_us"] > 0 for r in data["rows"])
     moved = [r for r in data["rows"] if r["contender"] == "todevice.move"]
     assert all(r["tensors_on_target"] == r["tensors"] for r in moved)
+    assert {r["contender"] for r in data["transfer"]["host"]} >= {"pack(batch).unpack()", "per-leaf .to('meta')"}
+    assert {r["tensors_per_sample"] for r in data["loader"]} == {10, 100, 400}
+    assert "| 100 | todevice.collate() + prefetch(..., 'cpu') |" in out

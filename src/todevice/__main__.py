@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, accelerators, pinned memory and the default device")
     bench = sub.add_parser(
-        "bench", help="time move() against the hand-written helper and the peers, and the transfer engine"
+        "bench", help="time move() against the helper and the peers, the transfer engine and the DataLoader"
     )
     bench.add_argument("--rounds", type=int, default=30, help="interleaved rounds per cell (default 30)")
+    bench.add_argument("--batches", type=int, default=20, help="DataLoader batches timed per cell (default 20)")
     bench.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.command == "info":
@@ -46,11 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         overhead = _bench.main(rounds=args.rounds)
         print()
         transfer = _bench.transfer_main(rounds=args.rounds)
+        print()
+        loader = _bench.loader_main(batches=args.batches)
         if args.json is not None:
             import json
 
+            result = {"environment": _bench.environment(), "rows": overhead, "transfer": transfer, "loader": loader}
             with open(args.json, "w") as f:
-                json.dump({"environment": _bench.environment(), "rows": overhead, "transfer": transfer}, f, indent=2)
+                json.dump(result, f, indent=2)
             print(f"wrote {args.json}")
     return 0
 

@@ -334,3 +334,86 @@ def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, A
             json.dump(result, f, indent=2)
         print(f"wrote {json_path}")
     return result
+
+
+# ---------------------------------------------------------------- the DataLoader benchmark
+
+
+class _ManySmall(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Samples holding ``fields`` small float32 tensors and a label."""
+
+    def __init__(self, fields: int, n: int) -> None:
+        self.fields, self.n = fields, n
+        self.sample = {f"t{k}": torch.randn(16) for k in range(fields)}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.sample, "label": i}
+
+
+def _storages(batch: Any) -> int:
+    """Tensor storages in a batch as the main process receives it: one segment and one fd each."""
+    from todevice import _pack, _tree
+
+    if isinstance(batch, _pack.PackedBatch):
+        return 1 + batch.loose
+    ptrs = {node.untyped_storage().data_ptr() for _, node in _tree.walk_paths(batch) if isinstance(node, torch.Tensor)}
+    return len(ptrs)
+
+
+def loader_rows(batches: int = 100, batch_size: int = 32, workers: int = 2) -> list[dict[str, Any]]:
+    """Batches per second of DataLoader(num_workers) with default_collate and with todevice, one run."""
+    from torch.utils.data import DataLoader
+
+    rows: list[dict[str, Any]] = []
+    for fields in (10, 100, 400):
+        data = _ManySmall(fields, batches * batch_size)
+        results: dict[str, tuple[float, int]] = {}
+        for name in ("default_collate", "todevice.collate() + prefetch(..., 'cpu')", "default_collate again"):
+            ours = name.startswith("todevice")
+            loader = DataLoader(
+                data, batch_size=batch_size, num_workers=workers, collate_fn=collate_for(ours), prefetch_factor=4
+            )
+            batches_in = iter(loader)
+            segments = _storages(next(batches_in))  # workers started and warm: time the steady state
+            source: Any = todevice.prefetch(batches_in, "cpu") if ours else batches_in
+            start = time.perf_counter()
+            count = sum(1 for _ in source)
+            results[name] = (count / (time.perf_counter() - start), segments)
+        plain = statistics.median([results["default_collate"][0], results["default_collate again"][0]])
+        for name, (rate, segments) in results.items():
+            if name == "default_collate again":
+                continue
+            rows.append(
+                {
+                    "tensors_per_sample": fields,
+                    "contender": name,
+                    "batches_per_s": rate,
+                    "x_default_collate": rate / plain,
+                    "segments_per_batch": segments,
+                }
+            )
+    return rows
+
+
+def collate_for(ours: bool) -> Any:
+    return todevice.collate() if ours else None
+
+
+def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[str, Any]]:
+    rows = loader_rows(batches=batches)
+    print("DataLoader, 2 workers, batches of 32: batches per second (higher is better).")
+    print("| tensors per sample | contender | batches/s | x default_collate | segments per batch |")
+    print("|---:|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['tensors_per_sample']} | {r['contender']} | {r['batches_per_s']:.0f} | "
+            f"{r['x_default_collate']:.2f}x | {r['segments_per_batch']} |"
+        )
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+        print(f"wrote {json_path}")
+    return rows
