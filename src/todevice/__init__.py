@@ -1,9 +1,11 @@
 """todevice: move any nested structure of PyTorch tensors to a device, fast and correctly."""
 
 from todevice._data import collate, prefetch
+from todevice._inspect import Finding, audit, check, devices, guard
 from todevice._move import COALESCE_MAX_BYTES, move
 from todevice._pack import PackedBatch, pack
 from todevice._tree import register, unregister
+from todevice.errors import DeviceMismatchError
 
 __version__ = "0.1.0"
 
@@ -20,4 +22,11 @@ __all__ = [  # noqa: RUF022 (grouped by capability, as the style guide asks)
     # data loading
     "collate",
     "prefetch",
+    # diagnostics
+    "DeviceMismatchError",
+    "Finding",
+    "audit",
+    "check",
+    "devices",
+    "guard",
 ]

@@ -1,0 +1,308 @@
+"""Diagnostics: which tensor is on which device, why Module.to() missed one, and a guard on forward."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from todevice import _stream, _tree
+from todevice._stream import DeviceLike
+from todevice.errors import DeviceMismatchError
+
+SHOWN = 8  # paths listed per device in a message; the rest are counted
+_Tensor = torch.Tensor
+
+
+def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in ``obj``; a module's by qualified name, wherever it sits."""
+    if isinstance(obj, nn.Module):
+        sep = "." if prefix else ""
+        for name, p in obj.named_parameters(remove_duplicate=False):
+            yield f"{prefix}{sep}{name}", p
+        for name, b in obj.named_buffers(remove_duplicate=False):
+            if b is not None:
+                yield f"{prefix}{sep}{name}", b
+        return
+    for path, node in _tree.walk_paths(obj):
+        if isinstance(node, torch.Tensor):
+            yield prefix + path, node
+        elif isinstance(node, nn.Module):
+            yield from _tensors(node, prefix + path)
+
+
+def devices(obj: Any, /) -> dict[str, torch.device]:
+    """The device of every tensor in ``obj``, by its path.
+
+    Paths are written as in todevice's errors (``['x'][2].field``); a module's tensors go by their
+    qualified parameter and buffer names (``encoder.layers.0.weight``), also when the module sits
+    inside a structure (``['model'].fc.bias``). A tensor at the top level has the path ``""``.
+
+    Example:
+        >>> import torch, todevice
+        >>> todevice.devices({"x": [torch.ones(1), torch.ones(1, device="meta")]})
+        {"['x'][0]": device(type='cpu'), "['x'][1]": device(type='meta')}
+
+    .. versionadded:: 0.1.0
+    """
+    return {path: t.device for path, t in _tensors(obj)}
+
+
+def _listing(paths: list[str]) -> str:
+    shown = ", ".join(_tree.format_path(p) for p in paths[:SHOWN])
+    more = len(paths) - SHOWN
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
+    """The one device all tensors in ``objs`` are on, or DeviceMismatchError naming where each one is.
+
+    Modules and structures can be mixed: ``check(model, batch)``. With several objects, paths start
+    with the object's place in the call (``objs[1]['x']``).
+
+    Example:
+        >>> import torch, todevice
+        >>> model, batch = torch.nn.Linear(2, 2), {"x": torch.ones(2), "y": torch.ones(2, device="meta")}
+        >>> todevice.check(model, batch)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        todevice.errors.DeviceMismatchError: Expected every tensor on one device, found 2: ...; meta: objs[1]['y']...
+
+    Args:
+        objs: Tensors, structures of them, modules.
+        device: The device every tensor must be on; the message then lists every tensor elsewhere.
+
+    Returns:
+        The shared device, or None when there is no tensor at all.
+
+    Raises:
+        DeviceMismatchError: Tensors on more than one device, or off ``device``.
+
+    .. versionadded:: 0.1.0
+    """
+    want = _stream.resolve_device(device) if device is not None else None
+    by_device: dict[torch.device, list[str]] = {}
+    for i, obj in enumerate(objs):
+        prefix = f"objs[{i}]" if len(objs) > 1 else ""
+        for path, t in _tensors(obj, prefix):
+            by_device.setdefault(t.device, []).append(path)
+    if want is not None:
+        wrong = {dev: paths for dev, paths in by_device.items() if dev != want}
+        if wrong:
+            count = sum(len(p) for p in wrong.values())
+            where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in wrong.items())
+            msg = (
+                f"Expected every tensor on {want}, found {count} elsewhere: {where}. "
+                f"Move them with todevice.move(obj, {str(want)!r}), or module.to({str(want)!r})."
+            )
+            raise DeviceMismatchError(msg)
+        return want if by_device else None
+    if len(by_device) > 1:
+        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in by_device.items())
+        msg = (
+            f"Expected every tensor on one device, found {len(by_device)}: {where}. "
+            f"Move them with todevice.move(obj, device), or module.to(device)."
+        )
+        raise DeviceMismatchError(msg)
+    return next(iter(by_device), None)
+
+
+# ---------------------------------------------------------------- audit()
+
+Kind = Literal["unregistered-tensor", "tensor-in-container", "split-devices"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One thing in a module that ``Module.to()`` will not move, or that sits on the wrong device.
+
+    Attributes:
+        path: The qualified attribute path (``encoder.cache[2]``), or the module's name for
+            ``split-devices`` ("" for the top module).
+        kind: ``"unregistered-tensor"``, ``"tensor-in-container"`` or ``"split-devices"``.
+        message: What is wrong, and the fix.
+
+    .. versionadded:: 0.1.0
+    """
+
+    path: str
+    kind: Kind
+    message: str
+
+
+_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+def audit(module: nn.Module, /) -> list[Finding]:
+    """What in ``module`` ``Module.to()`` will not move, and parameters split across devices.
+
+    ``Module.to()`` moves parameters and buffers only. A tensor kept as a plain attribute, or in a
+    plain list or dict attribute, stays where it was made, and the next forward fails with
+    "Expected all tensors to be on the same device".
+
+    Example:
+        >>> import torch, todevice
+        >>> class Scaled(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(2, 2)
+        ...         self.scale = torch.ones(2)  # a plain attribute: .to() skips it
+        >>> [(f.path, f.kind) for f in todevice.audit(Scaled())]
+        [('scale', 'unregistered-tensor')]
+
+    Returns:
+        The findings, in module order.
+
+    .. versionadded:: 0.1.0
+    """
+    findings: list[Finding] = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        for attr, value in vars(sub).items():
+            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                findings.append(
+                    Finding(
+                        prefix + attr,
+                        "unregistered-tensor",
+                        f"{prefix}{attr} is a tensor attribute on {value.device}, neither a parameter nor a buffer: "
+                        f"Module.to() will not move it. Register it with "
+                        f"self.register_buffer({attr!r}, tensor) (persistent=False to keep it out of the "
+                        f"state_dict), or make it an nn.Parameter.",
+                    )
+                )
+            elif isinstance(value, _PLAIN_CONTAINERS):
+                for path, node in _tree.walk_paths(value):
+                    if isinstance(node, torch.Tensor):
+                        where = f"{prefix}{attr}{path}"
+                        findings.append(
+                            Finding(
+                                where,
+                                "tensor-in-container",
+                                f"{where} is a tensor on {node.device} in a plain {type(value).__name__} "
+                                f"attribute: Module.to() will not move it. Use nn.ParameterList or "
+                                f"nn.ParameterDict for parameters, or register each tensor as a buffer.",
+                            )
+                        )
+        own = [(n, t) for n, t in sub.named_parameters(recurse=False)]
+        own += [(n, t) for n, t in sub.named_buffers(recurse=False) if t is not None]
+        split: dict[torch.device, list[str]] = {}
+        for n, t in own:
+            split.setdefault(t.device, []).append(prefix + n)
+        if len(split) > 1:
+            where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
+            findings.append(
+                Finding(
+                    name,
+                    "split-devices",
+                    f"{_tree.format_path(name) if name else 'The module'} has parameters and buffers on "
+                    f"{len(split)} devices ({where}). Move the module whole with module.to(device).",
+                )
+            )
+    return findings
+
+
+# ---------------------------------------------------------------- guard()
+
+
+class guard:  # named like a function: it is called, and used as a context manager
+    """Check every forward call's tensor inputs against the device of the module they go into.
+
+    Installs a forward pre-hook on ``module`` and each submodule with parameters or buffers of its
+    own. A call whose input tensor is not on that submodule's device raises DeviceMismatchError
+    naming the submodule, the input's path and both devices, before PyTorch's own, nameless
+    "Expected all tensors to be on the same device". Use it as a context manager, or call
+    :meth:`remove`; once removed, no hook and no overhead remain.
+
+    Example:
+        >>> import torch, todevice
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to("meta"))
+        >>> with todevice.guard(model):  # doctest: +ELLIPSIS
+        ...     model(torch.ones(2))
+        Traceback (most recent call last):
+        ...
+        todevice.errors.DeviceMismatchError: Module 1 (Linear) is on meta, but its input args[0] is on cpu...
+
+    Args:
+        module: The model to guard.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, module: nn.Module, /) -> None:
+        self.module = module
+        self._handles: list[Any] = []
+        for name, sub in module.named_modules():
+            if next(_own_tensors(sub), None) is None:
+                continue  # containers: their children check what reaches them
+            self._handles.append(sub.register_forward_pre_hook(_Hook(name, sub), with_kwargs=True))
+
+    def remove(self) -> None:
+        """Take every hook off; the module is as it was before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"todevice.guard({type(self.module).__name__}, {len(self._handles)} hooks)"
+
+
+def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters(recurse=False)
+    yield from (b for b in module.buffers(recurse=False) if b is not None)
+
+
+class _Hook:
+    """The pre-hook of one submodule: cheap when inputs are right, precise when they are not."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        own = next(_own_tensors(module), None)
+        if own is None:
+            return
+        want = own.device  # read at each call: the module may have moved since the guard went on
+        if not kwargs:
+            for t in args:  # the common case, tensors as positional arguments: no walk at all
+                if type(t) is not _Tensor:
+                    break
+                if t.device != want:
+                    self._fail(want, args, kwargs)
+            else:
+                return
+        for _, t in _inputs(args, kwargs):
+            if t.device != want:
+                self._fail(want, args, kwargs)
+
+    def _fail(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        wrong = [(path, t.device) for path, t in _inputs(args, kwargs) if t.device != want]
+        where = ", ".join(f"{path} is on {dev}" for path, dev in wrong[:SHOWN])
+        if len(wrong) > SHOWN:
+            where += f" and {len(wrong) - SHOWN} more"
+        name = f"Module {self.name}" if self.name else "The top module"
+        msg = (
+            f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "
+            f"Move the input with todevice.move(x, {str(want)!r}), or the module with module.to(...)."
+        )
+        raise DeviceMismatchError(msg)
+
+
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    for i, arg in enumerate(args):
+        for path, t in _tensors(arg):
+            yield f"args[{i}]{path}", t
+    for key, arg in kwargs.items():
+        for path, t in _tensors(arg):
+            yield f"kwargs[{key!r}]{path}", t
