@@ -417,3 +417,61 @@ def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[s
             json.dump({"environment": environment(), "rows": rows}, f, indent=2)
         print(f"wrote {json_path}")
     return rows
+
+
+# ---------------------------------------------------------------- guard() overhead
+
+
+def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+    """Forward time of a small MLP without guard(), with it, and after its removal, in one run."""
+    rng = random.Random(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(4, 64)
+    guarded = torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.ReLU() for i in range(16)])
+    guarded.load_state_dict(model.state_dict())
+    removed = torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.ReLU() for i in range(16)])
+    removed.load_state_dict(model.state_dict())
+    hooks = todevice.guard(guarded)
+    todevice.guard(removed).remove()
+    funcs = {"no guard": model, "guard(model)": guarded, "guard removed": removed}
+    times: dict[str, list[float]] = {name: [] for name in funcs}
+    with torch.no_grad():
+        for m in funcs.values():
+            m(x)
+        for _ in range(rounds):
+            order = list(funcs)
+            rng.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                funcs[name](x)
+                times[name].append(time.perf_counter() - start)
+    hooks.remove()
+    base = statistics.median(times["no guard"])
+    return [
+        {
+            "contender": name,
+            "median_us": statistics.median(t) * 1e6,
+            "overhead_us": (statistics.median(t) - base) * 1e6,
+            "overhead_us_per_hook": (statistics.median(t) - base) * 1e6 / 8,
+        }
+        for name, t in times.items()
+    ]
+
+
+def guard_main(rounds: int = 200, json_path: str | None = None) -> list[dict[str, Any]]:
+    rows = guard_rows(rounds=rounds)
+    print("guard() overhead per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians).")
+    print("| model | forward (us) | overhead (us) | per guarded module (us) |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['contender']} | {r['median_us']:.1f} | {r['overhead_us']:+.1f} | {r['overhead_us_per_hook']:+.2f} |"
+        )
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
+        print(f"wrote {json_path}")
+    return rows

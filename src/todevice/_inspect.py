@@ -270,10 +270,17 @@ class _Hook:
         self.module = module
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        own = next(_own_tensors(module), None)
-        if own is None:
-            return
-        want = own.device  # read at each call: the module may have moved since the guard went on
+        # The module's device, read at each call (it may have moved since the guard went on), from its
+        # dicts directly: module.parameters() builds two generators, several us a call.
+        own: torch.Tensor | None = None
+        for own in module._parameters.values():
+            if own is not None:
+                break
+        else:
+            own = next((b for b in module._buffers.values() if b is not None), None)
+            if own is None:
+                return
+        want = own.device
         if not kwargs:
             for t in args:  # the common case, tensors as positional arguments: no walk at all
                 if type(t) is not _Tensor:

@@ -1,0 +1,227 @@
+"""Diagnostics with real mismatches between 'cpu' and 'meta' tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import todevice
+from tests import helpers
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+def cpu(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape)
+
+
+def meta(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape, device="meta")
+
+
+# ---------------------------------------------------------------- devices()
+
+
+def test_devices_of_a_nested_structure() -> None:
+    tree = {"x": [cpu(1), helpers.Record(meta(1), (cpu(2),))], "n": 3}
+    assert todevice.devices(tree) == {"['x'][0]": CPU, "['x'][1].a": META, "['x'][1].b[0]": CPU}
+
+
+def test_devices_of_a_module_by_qualified_name() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    found = todevice.devices(model)
+    assert found["0.weight"] == CPU and found["1.running_mean"] == CPU and "1.num_batches_tracked" in found
+
+
+def test_devices_of_a_module_inside_a_structure() -> None:
+    found = todevice.devices({"model": nn.Linear(1, 1), "x": meta(1)})
+    assert found == {"['model'].weight": CPU, "['model'].bias": CPU, "['x']": META}
+
+
+def test_devices_of_a_bare_tensor() -> None:
+    assert todevice.devices(meta(2)) == {"": META}
+
+
+# ---------------------------------------------------------------- check()
+
+
+def test_check_returns_the_shared_device() -> None:
+    assert todevice.check({"a": cpu(1)}, [cpu(2)], nn.Linear(1, 1)) == CPU
+    assert todevice.check({"a": 1}) is None
+    assert todevice.check(meta(1), device="meta") == META
+
+
+def test_check_names_every_device_and_its_paths() -> None:
+    model = nn.Linear(2, 2)
+    batch = {"x": cpu(2), "y": meta(2)}
+    with pytest.raises(todevice.DeviceMismatchError) as info:
+        todevice.check(model, batch)
+    assert str(info.value) == (
+        "Expected every tensor on one device, found 2: cpu: objs[0].weight, objs[0].bias, objs[1]['x']; "
+        "meta: objs[1]['y']. Move them with todevice.move(obj, device), or module.to(device)."
+    )
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_check_against_a_device_lists_everything_elsewhere() -> None:
+    tree = {"ok": meta(1), "bad": [cpu(1), cpu(1)]}
+    with pytest.raises(todevice.DeviceMismatchError) as info:
+        todevice.check(tree, device="meta")
+    assert str(info.value) == (
+        "Expected every tensor on meta, found 2 elsewhere: cpu: ['bad'][0], ['bad'][1]. "
+        "Move them with todevice.move(obj, 'meta'), or module.to('meta')."
+    )
+
+
+def test_check_caps_long_lists_with_a_count() -> None:
+    tree = [cpu(1) for _ in range(20)] + [meta(1)]
+    with pytest.raises(todevice.DeviceMismatchError, match=r"cpu: \[0\], \[1\], .*, \[7\] and 12 more; meta: \[20\]\."):
+        todevice.check(tree)
+
+
+def test_check_a_top_level_tensor() -> None:
+    with pytest.raises(todevice.DeviceMismatchError, match="cpu: the top level"):
+        todevice.check(cpu(1), device="meta")
+
+
+# ---------------------------------------------------------------- audit()
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.table = torch.zeros(3)  # a plain attribute: Module.to() skips it
+        self.cache = [torch.zeros(1), {"k": torch.zeros(2)}]  # tensors in a plain list
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.register_buffer("ok", torch.zeros(1))
+        self.weights = nn.ParameterList([nn.Parameter(torch.ones(1))])
+
+
+def test_audit_finds_what_module_to_skips_in_nested_submodules() -> None:
+    findings = todevice.audit(Outer())
+    assert [(f.path, f.kind) for f in findings] == [
+        ("inner.table", "unregistered-tensor"),
+        ("inner.cache[0]", "tensor-in-container"),
+        ("inner.cache[1]['k']", "tensor-in-container"),
+    ]
+    assert findings[0].message == (
+        "inner.table is a tensor attribute on cpu, neither a parameter nor a buffer: Module.to() will not move it. "
+        "Register it with self.register_buffer('table', tensor) (persistent=False to keep it out of the "
+        "state_dict), or make it an nn.Parameter."
+    )
+    assert "Use nn.ParameterList or nn.ParameterDict" in findings[1].message
+
+
+def test_audit_finds_a_module_half_moved() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].bias = nn.Parameter(model[1].bias.detach().to("meta"))  # half moved, as after a partial load
+    findings = todevice.audit(model)
+    assert [(f.path, f.kind) for f in findings] == [("1", "split-devices")]
+    assert findings[0].message == (
+        "1 has parameters and buffers on 2 devices (cpu: 1.weight; meta: 1.bias). "
+        "Move the module whole with module.to(device)."
+    )
+
+
+def test_audit_of_a_clean_module_is_empty() -> None:
+    assert todevice.audit(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))) == []
+
+
+def test_module_to_really_skips_what_audit_reports() -> None:
+    """The findings are true: Module.to() leaves exactly those tensors behind."""
+    model = Outer().to("meta")
+    left = {p for p, d in todevice.devices({"table": model.inner.table, "cache": model.inner.cache}).items()}
+    assert left == {"['table']", "['cache'][0]", "['cache'][1]['k']"}
+    assert all(d == CPU for d in todevice.devices({"t": model.inner.table, "c": model.inner.cache}).values())
+    assert model.inner.fc.weight.device == META
+
+
+# ---------------------------------------------------------------- guard()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        self.head = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor, extra: Any = None) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+def test_guard_names_the_submodule_the_input_and_both_devices() -> None:
+    net = Net()
+    net.head.to("meta")
+    with todevice.guard(net), pytest.raises(todevice.DeviceMismatchError) as info:
+        net(cpu(2))
+    assert str(info.value) == (
+        "Module head (Linear) is on meta, but its input args[0] is on cpu. "
+        "Move the input with todevice.move(x, 'meta'), or the module with module.to(...)."
+    )
+
+
+def test_guard_catches_an_input_never_moved() -> None:
+    net = Net().to("meta")
+    with todevice.guard(net), pytest.raises(todevice.DeviceMismatchError, match=r"^Module encoder\.0 \(Linear\)"):
+        net(cpu(2))
+
+
+def test_guard_checks_structured_and_keyword_inputs() -> None:
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(meta(2))
+
+        def forward(self, batch: dict[str, Any], *, mask: torch.Tensor) -> torch.Tensor:
+            return batch["x"] * self.w * mask
+
+    module = Takes()
+    with todevice.guard(module), pytest.raises(todevice.DeviceMismatchError) as info:
+        module({"x": meta(2), "y": [cpu(1)]}, mask=cpu(2))
+    assert "args[0]['y'][0] is on cpu, kwargs['mask'] is on cpu" in str(info.value)
+    assert str(info.value).startswith("The top module (Takes) is on meta")
+
+
+def test_guard_lets_right_calls_through() -> None:
+    net = Net()
+    with todevice.guard(net):
+        assert net(cpu(3, 2)).shape == (3, 1)
+
+
+def test_guard_follows_a_module_moved_after_it_was_installed() -> None:
+    net = Net()
+    with todevice.guard(net):
+        net.to("meta")
+        assert net(meta(2)).device == META
+        with pytest.raises(todevice.DeviceMismatchError):
+            net(cpu(2))
+
+
+def test_guard_removed_leaves_the_module_exactly_as_before() -> None:
+    net = Net()
+    before = {name: dict(m._forward_pre_hooks) for name, m in net.named_modules()}
+    kwargs_before = {name: dict(m._forward_pre_hooks_with_kwargs) for name, m in net.named_modules()}
+    g = todevice.guard(net)
+    assert any(m._forward_pre_hooks for m in net.modules())
+    g.remove()
+    assert {name: dict(m._forward_pre_hooks) for name, m in net.named_modules()} == before
+    assert {name: dict(m._forward_pre_hooks_with_kwargs) for name, m in net.named_modules()} == kwargs_before
+    net.head.to("meta")
+    with pytest.raises(RuntimeError) as info:
+        net(cpu(2))
+    assert not isinstance(info.value, todevice.DeviceMismatchError)  # PyTorch's own error again
+
+
+def test_guard_skips_modules_without_tensors_of_their_own() -> None:
+    g = todevice.guard(Net())
+    assert repr(g) == "todevice.guard(Net, 2 hooks)"  # encoder.0 and head; not Net, encoder, ReLU
+    g.remove()
