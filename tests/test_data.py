@@ -220,3 +220,42 @@ def test_ddp_training_gives_the_same_losses(tmp_path: Path) -> None:
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(result["plain"]) == 8  # 64 samples, 2 ranks, batches of 8, 2 epochs
         assert result["todevice"] == result["plain"]
+
+
+# ---------------------------------------------------------------- found in review
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_source_error_comes_after_the_batches_before_it(fake_streams: dict[str, Any], depth: int) -> None:
+    def source() -> Iterator[dict[str, Any]]:
+        for i in range(5):
+            yield {"i": i}
+        raise KeyError("sixth")
+
+    seen = []
+    with pytest.raises(KeyError, match="sixth"):
+        for batch in todevice.prefetch(source(), "meta", depth=depth):
+            seen.append(batch["i"])
+    assert seen == [0, 1, 2, 3, 4]
+
+
+def test_a_break_closes_a_generator_source(fake_streams: dict[str, Any]) -> None:
+    closed = []
+
+    def source() -> Iterator[dict[str, Any]]:
+        try:
+            for i in range(10):
+                yield {"i": i}
+        finally:
+            closed.append(True)
+
+    for batch in todevice.prefetch(source(), "meta"):
+        if batch["i"] == 1:
+            break
+    assert closed == [True]
+
+
+def test_worker_collate_refuses_sparse_tensors_as_default_collate_does() -> None:
+    sparse = [torch.eye(2).to_sparse(), torch.eye(2).to_sparse()]
+    with pytest.raises(RuntimeError, match="Batches of sparse tensors are not currently supported"):
+        _data._default_collate_for_packing(sparse)

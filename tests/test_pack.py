@@ -187,18 +187,21 @@ def test_cast_happens_on_the_side_that_sends_fewer_bytes(
 # ---------------------------------------------------------------- the coalesced path
 
 
+def coalesced(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in a buffer shared with other tensors (a coalesced copy), not one of its own."""
+    return t.untyped_storage().nbytes() > t.nbytes
+
+
 def test_meta_is_not_coalesced_by_default_but_can_be() -> None:
     tree = [torch.randn(4) for _ in range(4)]
-    plain = todevice.move(tree, "meta")
-    assert all(t._base is None for t in plain)
-    coalesced = todevice.move(tree, "meta", coalesce=True)
-    assert all(t._base is not None for t in coalesced)  # views of one buffer
+    assert not any(coalesced(t) for t in todevice.move(tree, "meta"))
+    assert all(coalesced(t) for t in todevice.move(tree, "meta", coalesce=True))
 
 
 def test_cpu_target_is_never_coalesced() -> None:
     tree = [torch.randn(4) for _ in range(4)]
     out = todevice.move(tree, "cpu", coalesce=True, dtype=torch.float64)
-    assert all(t._base is None for t in out)
+    assert not any(coalesced(t) for t in out)
 
 
 def test_large_and_grad_leaves_are_moved_alone() -> None:
@@ -207,7 +210,7 @@ def test_large_and_grad_leaves_are_moved_alone() -> None:
     out = todevice.move(
         {"big": big, "grad": grad, "small": torch.ones(2)}, "meta", coalesce=True, coalesce_max_bytes=64
     )
-    assert out["big"]._base is None and out["small"]._base is not None
+    assert not coalesced(out["big"]) and coalesced(out["small"])
     assert out["grad"].requires_grad and out["grad"].grad_fn is not None
 
 
@@ -256,7 +259,10 @@ def test_copies_run_on_the_side_stream_and_are_handed_over(monkeypatch: pytest.M
     log: list[tuple[str, ...]] = []
     user, side = FakeStream("user", log), FakeStream("side", log)
     current = [user]
-    monkeypatch.setattr(_stream.torch.accelerator, "current_stream", lambda device=None: current[0])
+    asked: list[Any] = []
+    monkeypatch.setattr(
+        _stream.torch.accelerator, "current_stream", lambda device=None: (asked.append(device), current[0])[1]
+    )
     monkeypatch.setattr(
         _stream.torch.accelerator, "set_stream", lambda s: (current.__setitem__(0, s), log.append(("set", s.name)))
     )
@@ -278,6 +284,7 @@ def test_copies_run_on_the_side_stream_and_are_handed_over(monkeypatch: pytest.M
     assert set(seen_streams) == {"side"}  # every copy was issued on the side stream
     assert ("set", "user") in log and log.index(("set", "user")) < log.index(("wait", "user", "side"))
     assert current[0] is user  # the user's stream is current again
+    assert asked[0] is side.device  # the user's stream is the one on the side stream's device
     assert recorded == ["user"] * len(recorded) and len(recorded) == 2  # the coalesced buffer and "big"
 
 
@@ -297,3 +304,94 @@ def test_values_across_a_real_device_boundary() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert " passed" in done.stdout and "skipped" not in done.stdout
+
+
+# ---------------------------------------------------------------- found in review
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda buf: [buf, buf[:4], buf[:4]],  # a longer tensor first at the address
+        lambda buf: [buf, buf.view(torch.int32), buf.view(torch.int32)],  # another dtype first
+    ],
+    ids=["longer-first", "other-dtype-first"],
+)
+def test_tied_tensors_share_memory_whatever_came_first_at_the_address(make: Any) -> None:
+    tree = make(torch.arange(8.0))
+    out = todevice.pack(tree).unpack()
+    assert out[1] is not out[2] and out[1].data_ptr() == out[2].data_ptr()
+    helpers.assert_same_tree(out, helpers.reference_move(tree, "cpu"), values=True)
+
+
+def test_tied_tensors_differing_only_in_the_stride_of_a_size_one_dimension() -> None:
+    base = torch.arange(4.0).reshape(1, 4)
+    other = base.as_strided((1, 4), (7, 1))  # same memory, same layout where it matters
+    out = todevice.pack([base, other]).unpack()
+    assert out[0].data_ptr() == out[1].data_ptr()
+
+
+def test_error_in_a_registered_flatten_names_its_path_when_coalescing() -> None:
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    def flatten(b: Box) -> Any:
+        raise KeyError("boom")
+
+    todevice.register(Box, flatten, lambda aux, ch: Box(ch[0]))
+    try:
+        with pytest.raises(KeyError, match=r"Cannot move \['a'\]\[0\] \(.*Box\) to meta: 'boom'"):
+            todevice.move({"a": [Box(torch.ones(1))]}, "meta", coalesce=True)
+        with pytest.raises(KeyError, match=r"Cannot pack \['a'\]\[0\] \(.*Box\): 'boom'"):
+            todevice.pack({"a": [Box(torch.ones(1))]})
+    finally:
+        todevice.unregister(Box)
+
+
+class Sized:
+    """A registered container whose constructor reads its child's shape."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.n = t, t.shape[0]
+
+
+def test_registered_unflatten_gets_tensors_when_unpacked() -> None:
+    """A registered unflatten may look at its children: packing defers it until they are tensors."""
+    todevice.register(Sized, lambda s: ([s.t], None), lambda aux, ch: Sized(ch[0]))
+    try:
+        tree = {"s": Sized(torch.arange(3.0)), "x": torch.ones(2)}
+        out = pickle.loads(pickle.dumps(todevice.pack(tree))).unpack()
+        assert type(out["s"]) is Sized and out["s"].n == 3 and torch.equal(out["s"].t, torch.arange(3.0))
+        assert todevice.move(tree, "meta", coalesce=True)["s"].t.device == META
+    finally:
+        todevice.unregister(Sized)
+
+
+def test_sparse_tensors_on_the_coalesced_path() -> None:
+    out = todevice.move({"s": torch.eye(3).to_sparse(), "x": torch.ones(2)}, "meta", coalesce=True)
+    assert out["s"].is_sparse and out["s"].device == META and coalesced(out["x"])
+
+
+def test_move_casts_a_packed_batch_too() -> None:
+    tree = {"p": todevice.pack({"x": torch.randn(3), "i": torch.arange(2)}), "y": torch.randn(2)}
+    out = todevice.move(tree, "meta", dtype=torch.float16)
+    assert out["p"]["x"].dtype == torch.float16 and out["y"].dtype == torch.float16
+    assert out["p"]["i"].dtype == torch.int64
+
+
+def test_tensors_cast_after_the_copy_are_among_the_outputs() -> None:
+    """A cast on the receiving side makes new tensors: they must be recorded on the user's stream."""
+    tree = [torch.ones(3, dtype=torch.float16) for _ in range(4)]
+    out, mover = _move._move(tree, META, True, torch.float64, True, _move.COALESCE_MAX_BYTES, False)
+    storages = {t.untyped_storage().nbytes() for t in mover.outputs()}
+    assert all(t.dtype == torch.float64 for t in out)
+    assert out[0].untyped_storage().nbytes() in storages  # the float64 copy the views share
+
+
+def test_coalesced_tensors_can_be_modified_in_place_with_autograd() -> None:
+    w = torch.ones(3, requires_grad=True)
+    out = todevice.move({"x": [torch.randn(3), torch.randn(3)], "r": torch.randn(2, 3)}, "meta", coalesce=True)
+    out["x"][0].mul_(w)  # as a tensor from .to() allows
+    out["r"].mul_(w)
+    assert out["x"][0].requires_grad

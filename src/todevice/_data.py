@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import collate as _collate
-from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
 from todevice import _move, _pack, _stream
 from todevice._stream import DeviceLike
@@ -20,6 +20,10 @@ B = TypeVar("B")
 def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     # default_collate stacks each field straight into a shared-memory segment when it runs in a
     # worker; the batch is packed into one buffer right after, so those segments would be waste.
+    elem = batch[0]
+    if elem.is_nested or elem.layout is not torch.strided:
+        refused: torch.Tensor = collate_tensor_fn(batch)  # refuses them, with torch's own message
+        return refused
     return torch.stack(batch, 0)
 
 
@@ -144,17 +148,20 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
         pending: collections.deque[tuple[Any, list[torch.Tensor], torch.Event]] = collections.deque()
         source = iter(self.iterable)
+        failed: BaseException | None = None  # raised once the batches before it have been used
         try:
-            exhausted = False
             while True:
-                while not exhausted and len(pending) <= self.depth:
+                while failed is None and len(pending) <= self.depth:
                     try:
                         batch = next(source)
+                        pending.append(_move.move_on_stream(batch, self.device, self.non_blocking, side))
                     except StopIteration:
-                        exhausted = True
-                        break
-                    pending.append(_move.move_on_stream(batch, self.device, self.non_blocking, side))
+                        failed = StopIteration()
+                    except Exception as err:
+                        failed = err
                 if not pending:
+                    if failed is not None and not isinstance(failed, StopIteration):
+                        raise failed
                     return
                 out, outputs, copied = pending.popleft()
                 _stream.receive(copied, outputs, self.device)
@@ -162,3 +169,6 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         finally:
             if pending:
                 side.synchronize()  # a break or an error: no copy is left running behind the loop
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()  # a generator source is finished now, not whenever it is collected

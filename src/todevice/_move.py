@@ -40,14 +40,6 @@ def _accepts_non_blocking(tp: type) -> bool:
     return known
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape and the same strides where they matter (a dimension of size 1 has any stride)."""
-    shape = a.shape
-    if shape != b.shape:
-        return False
-    return all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
-
-
 class _LeafError(Exception):
     """Internal: carries the leaf whose move failed up to move(), which adds the path."""
 
@@ -69,7 +61,11 @@ def _guarded(node: Any, fn: Callable[..., Any], *args: Any) -> Any:
 
 def _describe(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
-        return f"{type(leaf).__qualname__} of shape {tuple(leaf.shape)}, {leaf.dtype}, on {leaf.device}"
+        try:
+            shape = f"of shape {tuple(leaf.shape)}"
+        except RuntimeError:  # a nested tensor has no single shape
+            shape = "nested"
+        return f"{type(leaf).__qualname__} {shape}, {leaf.dtype}, on {leaf.device}"
     return type(leaf).__qualname__
 
 
@@ -196,20 +192,8 @@ def _skeleton_walker(take: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any
     """A walk that hands every tensor to ``take`` and keeps everything else, for ``pack``."""
     keep: Callable[..., Any] = lambda x, *_: x  # noqa: E731
     factory = _walker_factory("False")
-    args: tuple[Any, ...] = (
-        keep,
-        keep,
-        {},
-        None,
-        None,
-        _tree.kind_of,
-        _FAST_ATOMS,
-        _Tensor,
-        _tree,
-        None,
-        keep,
-        _LeafError,
-    )
+    kind_of = _tree.kind_for_packing
+    args: tuple[Any, ...] = (keep, keep, {}, None, None, kind_of, _FAST_ATOMS, _Tensor, _tree, None, keep, _LeafError)
     walk, _ = factory(take, *args)
     return walk  # type: ignore[no-any-return]
 
@@ -303,12 +287,7 @@ class _Mover:
                         done is not src  # src stayed where it was: so does t, through to() below
                         and type(t) is _Tensor
                         and type(src) is _Tensor
-                        and not (t.requires_grad or src.requires_grad)
-                        and src.dtype == t.dtype
-                        and src.device == t.device
-                        and _same_layout(src, t)
-                        and src.is_conj() == t.is_conj()  # a lazily conjugated or negated view
-                        and src.is_neg() == t.is_neg()  # reads the same memory as other values
+                        and _pack.same_view(src, t)
                     ):
                         out = done.view(done.shape)
                         entries.append((t, out))
@@ -402,24 +381,37 @@ class _Mover:
         hit = self.memo.get(id(batch))
         if hit is not None:
             return hit[1]
-        out, inner = _unpack(batch, self.dev, self.non_blocking)
+        out, inner = _unpack(batch, self.dev, self.non_blocking, self.dtype)
         self.buffers.extend(inner.outputs())  # recorded on the user's stream with the rest
         self.wait_for |= inner.wait_for
         self.memo[id(batch)] = (batch, out)
         return out
 
-    def slot(self, s: _tree.Slot) -> torch.Tensor:
-        """A skeleton's slot: the packed tensor, or a new view of it for a distinct tensor over its memory."""
+    def slot(self, s: Any) -> Any:
+        """A skeleton's slot: the packed tensor, a new view of it for a distinct tensor over its
+        memory, or a registered container rebuilt around its moved children."""
         if self.views is None:
             msg = f"Cannot move {s!r}: a slot only means something inside a PackedBatch's skeleton."
             raise TypeError(msg)
         if type(s) is _tree.Slot:
             return self.views[s]
-        view = self.views[s]
         hit = self.memo.get(id(s))
         if hit is not None:
-            return hit[1]  # type: ignore[no-any-return]
-        out = view.view(view.shape)
+            return hit[1]
+        if type(s) is _tree.AliasSlot:
+            view = self.views[s]
+            out = view.view(view.shape)
+        else:
+            kind = _tree.kind_of(s.cls)
+            if kind.code != _tree.NODE or s.cls not in _tree._registry:
+                name = s.cls.__qualname__
+                msg = (
+                    f"Cannot unpack a {name}: it was registered with todevice.register() where it was packed, "
+                    f"but not here. Register {name} in this process too."
+                )
+                raise TypeError(msg)
+            assert kind.unflatten is not None
+            out = _guarded(s, kind.unflatten, s.aux, [self.walk(c) for c in s.children])
         self.memo[id(s)] = (s, out)
         return out
 
@@ -618,9 +610,15 @@ def _run(mover: _Mover, tree: Any, original: Any) -> Any:
             except _tree.CycleError as cycle:
                 raise ValueError(_tree.cycle_message(cycle)) from err
     except _LeafError as failure:
-        leaf, cause = failure.leaf, failure.err
-        where = _tree.format_path(_tree.find_path(original, leaf) or "")
-        _raise_with_path(cause, f"Cannot move {where} ({_describe(leaf)}) to {mover.dev}: {cause}")
+        _explain(failure, original, f"to {mover.dev}")
+
+
+def _explain(failure: _LeafError, original: Any, where_to: str, verb: str = "move") -> NoReturn:
+    """Raise a leaf's error again, with the leaf's path inside ``original`` in the message."""
+    leaf, cause = failure.leaf, failure.err
+    where = _tree.format_path(_tree.find_path(original, leaf) or "")
+    target = f" {where_to}" if where_to else ""
+    _raise_with_path(cause, f"Cannot {verb} {where} ({_describe(leaf)}){target}: {cause}")
 
 
 def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
@@ -630,6 +628,8 @@ def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
         skeleton, tensors, layout, _ = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker)
     except RecursionError:
         return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
+    except _LeafError as failure:
+        _explain(failure, obj, f"to {mover.dev}")
     mover.views = _send(tensors, layout, mover) if tensors else []
     mover.walk, mover.tensor = mover._build()
     return _run(mover, skeleton, obj)
@@ -647,7 +647,7 @@ def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover) -> l
             err, f"Cannot move {len(tensors)} coalesced tensors ({layout.nbytes} bytes) to {mover.dev}: {err}"
         )
     mover.buffers.append(on_device)
-    return _pack.read(on_device, layout)
+    return _pack.read(on_device, layout, made=mover.buffers)
 
 
 def unpack(batch: _pack.PackedBatch, device: DeviceLike | None = None, *, non_blocking: bool = True) -> Any:
@@ -658,14 +658,16 @@ def unpack(batch: _pack.PackedBatch, device: DeviceLike | None = None, *, non_bl
     return out
 
 
-def _unpack(batch: _pack.PackedBatch, dev: torch.device, non_blocking: bool) -> tuple[Any, _Mover]:
+def _unpack(
+    batch: _pack.PackedBatch, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None
+) -> tuple[Any, _Mover]:
     buffer = batch.buffer
-    mover = _Mover(dev, non_blocking, None, False)
+    mover = _Mover(dev, non_blocking, dtype, False)
     if buffer.device != dev:
         nb = non_blocking and (buffer.is_pinned() if mover.mps else True)
         buffer = buffer.to(dev, non_blocking=nb)
         mover.buffers.append(buffer)
-    views = _pack.read(buffer, batch.layout)
+    views = _pack.read(buffer, batch.layout, dtype, made=mover.buffers)
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
     mover.views = views

@@ -192,14 +192,28 @@ def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor]) 
         region.copy_(torch.stack(group))  # padded rows, or a cast: stack, then one strided copy
 
 
-def read(buffer: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-    """The packed tensors, in walk order, as views of ``buffer`` (or of one cast copy per group)."""
+def read(
+    buffer: torch.Tensor, layout: Layout, cast: torch.dtype | None = None, made: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """The packed tensors, in walk order, sharing ``buffer``'s memory (or one cast copy's per group).
+
+    ``cast`` turns floating-point and complex groups into that dtype; every tensor made for a cast is
+    appended to ``made``, so a side stream's caller can record it.
+    """
     views: list[torch.Tensor] = []
     for g, region in _regions(buffer, layout):
-        if g.final != g.dtype:
-            region = region.to(g.final)  # one cast per group, on the receiving side
+        final = g.final
+        if cast is not None and (final.is_floating_point or final.is_complex):
+            final = cast
+        if final != g.dtype:
+            region = region.to(final)  # one cast per group, on the receiving side
+            if made is not None:
+                made.append(region)
         if type(g) is Block:
-            views.extend(region.unbind(0))
+            # unbind() makes views that autograd forbids to modify in place (x.mul_(w) with w
+            # requiring grad), which a tensor from .to() allows; detached, they are plain tensors
+            # over the same memory.
+            views.extend([v.detach() for v in region.unbind(0)])
         else:
             assert type(g) is Ragged
             views.extend(_cut(region, g))
@@ -237,6 +251,21 @@ pinning = _Pinning()
 # ---------------------------------------------------------------- pack()
 
 
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors at one address read that memory the very same way, so one result serves both.
+
+    Same dtype, device, shape and strides (a dimension of size 1 may have any stride), and no lazy
+    conjugate or negative bit on one only. Tensors requiring grad never share: a shared result would
+    route one's gradient through the other.
+    """
+    if a.requires_grad or b.requires_grad or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
+        return False
+    shape = a.shape
+    return shape == b.shape and all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
+
+
 # Dtypes a byte buffer holds exactly (quantized and other exotic dtypes are left out).
 _DENSE_DTYPES = frozenset(
     {
@@ -253,6 +282,11 @@ _DENSE_DTYPES = frozenset(
         torch.int32,
         torch.int64,
         torch.bool,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
     }
 )
 _strided = torch.strided
@@ -290,7 +324,7 @@ class _Skeleton:
 
     def __init__(self, max_bytes: int | None, careful: bool = False, expected: int = 0) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.by_ptr: dict[int, int] = {}  # data_ptr -> index of the first tensor taken there
+        self.by_ptr: dict[int, list[int]] = {}  # data_ptr -> indices of the tensors taken there
         self.by_id: dict[int, Any] = {}  # tensors met again, over taken memory, or with no memory
         self.loose: list[torch.Tensor] = []  # tensors left in the skeleton as they are
         tensors, loose = self.tensors, self.loose
@@ -304,9 +338,14 @@ class _Skeleton:
             if type(t) is not _Tensor or not t.is_cpu or t.dtype not in dense:
                 loose.append(t)
                 return t  # stays in the skeleton as it is
-            if max_bytes is not None and (t.requires_grad or t.nbytes > max_bytes):
-                loose.append(t)
-                return t  # move() coalesces small tensors that need no autograd only
+            if max_bytes is not None:
+                try:
+                    big = t.nbytes > max_bytes
+                except RuntimeError:  # sparse tensors have no nbytes
+                    big = True
+                if big or t.requires_grad:
+                    loose.append(t)
+                    return t  # move() coalesces small tensors that need no autograd only
             n = len(tensors)
             append(t)
             try:
@@ -323,33 +362,24 @@ class _Skeleton:
             type(t) is not _Tensor
             or not t.is_cpu
             or t.dtype not in _DENSE_DTYPES
-            or (self.max_bytes is not None and (t.requires_grad or t.nbytes > self.max_bytes))
             or t.layout is not _strided  # sparse and mkldnn tensors travel as they are
             or t.is_nested
+            or (self.max_bytes is not None and (t.requires_grad or t.nbytes > self.max_bytes))
         ):
             self.loose.append(t)
             return t
-        ptr = t.data_ptr()
         seen = self.by_id.get(id(t))
         if seen is not None:
             return seen[1]  # the same tensor again: the same slot
-        first = self.by_ptr.get(ptr) if ptr else None
-        other = self.tensors[first] if first is not None else None
-        if (
-            other is not None
-            and first is not None
-            and other.dtype == t.dtype
-            and other.shape == t.shape
-            and other.stride() == t.stride()
-            and other.is_conj() == t.is_conj()
-            and other.is_neg() == t.is_neg()
-            and not (other.requires_grad or t.requires_grad)
-        ):
-            slot: Any = _tree.AliasSlot(first)  # tied memory: a new view of the same packed tensor
+        ptr = t.data_ptr()
+        at_ptr = self.by_ptr.setdefault(ptr, []) if ptr else []
+        for first in at_ptr:
+            if same_view(self.tensors[first], t):
+                slot: Any = _tree.AliasSlot(first)  # tied memory: a new view of the same packed tensor
+                break
         else:
             slot = _tree.Slot(len(self.tensors))
-            if ptr and first is None:
-                self.by_ptr[ptr] = len(self.tensors)
+            at_ptr.append(len(self.tensors))
             self.tensors.append(t)
         self.by_id[id(t)] = (t, slot)  # the tensor kept alive, so its id stays its own
         return slot
@@ -418,6 +448,8 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
 
     try:
         skeleton, tensors, layout, loose = take_tensors(obj, None, None, _move._skeleton_walker)
+    except _move._LeafError as failure:
+        _move._explain(failure, obj, "", verb="pack")
     except RecursionError as err:
         try:
             for _ in _tree.walk_paths(obj):

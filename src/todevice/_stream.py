@@ -130,7 +130,8 @@ def enter_stream(stream: torch.Stream, device: torch.device) -> torch.Stream:
     The side stream first waits for the current one: a source written on the current stream
     (a device-to-device or device-to-host move) must be complete before it is copied.
     """
-    user = torch.accelerator.current_stream(device)
+    # The stream's own device: a move to the host copies on the source accelerator's stream.
+    user = torch.accelerator.current_stream(stream.device)
     stream.wait_stream(user)
     torch.accelerator.set_stream(stream)
     return user

@@ -106,6 +106,22 @@ class AliasSlot(Slot):
     __slots__ = ()
 
 
+class Deferred:
+    """A registered container in a packed skeleton: rebuilt by its own unflatten only when unpacked.
+
+    While packing, its children are slots, which a user's unflatten may not expect (it may read a
+    child's shape); so the packing walk keeps the pieces, and unpacking calls unflatten with tensors.
+    """
+
+    __slots__ = ("aux", "children", "cls")
+
+    def __init__(self, cls: type, aux: Any, children: list[Any]) -> None:
+        self.cls, self.aux, self.children = cls, aux, children
+
+    def __reduce__(self) -> tuple[type, tuple[type, Any, list[Any]]]:
+        return (type(self), (self.cls, self.aux, self.children))
+
+
 # ---------------------------------------------------------------- built-in containers
 
 
@@ -402,7 +418,7 @@ def _has_to(tp: type) -> bool:
 
 
 def _classify(tp: type) -> Kind:
-    if tp is Slot or tp is AliasSlot:
+    if tp is Slot or tp is AliasSlot or tp is Deferred:
         return Kind(SLOT)
     reg = _registry.get(tp)
     if reg is not None:
@@ -439,6 +455,14 @@ def kind_of(tp: type) -> Kind:
         with _lock:
             if _generation[0] == generation:
                 _kinds[tp] = kind
+    return kind
+
+
+def kind_for_packing(tp: type) -> Kind:
+    """``kind_of``, but a registered type is kept as a ``Deferred`` node instead of being rebuilt."""
+    kind = kind_of(tp)
+    if kind.code == NODE and tp in _registry:
+        return Kind(NODE, kind.flatten, lambda aux, children: Deferred(tp, aux, children), kind.entry)
     return kind
 
 
