@@ -271,11 +271,11 @@ def test_dataclass_that_is_also_a_dict() -> None:
     assert type(out) is Output and out.logits.device == META and out["logits"] is out.logits
 
 
-def test_shared_containers_stay_shared() -> None:
+def test_a_container_reached_twice_is_rebuilt_twice_around_the_same_tensors() -> None:
     inner = [torch.ones(1)]
     out = todevice.move({"a": inner, "b": inner}, "meta")
-    assert out["a"] is out["b"]
-    assert out["a"] is not inner
+    assert out["a"] is not inner and out["b"] is not inner
+    assert out["a"][0] is out["b"][0]
 
 
 # ---------------------------------------------------------------- objects with .to()
