@@ -187,7 +187,7 @@ def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor]) 
             try:
                 torch.stack(group, out=region)
                 continue
-            except RuntimeError:  # sources of another dtype, cast into this one
+            except (RuntimeError, TypeError):  # sources of other dtypes, cast into this one
                 pass
         region.copy_(torch.stack(group))  # padded rows, or a cast: stack, then one strided copy
 
