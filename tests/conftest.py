@@ -6,6 +6,15 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Hypothesis: 150 examples a property by default; CI runs them derandomized, so a red run can be
+# replayed; HYPOTHESIS_PROFILE=thorough runs 2,000, to hunt before a release.
+_common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("default", max_examples=150, **_common)
+settings.register_profile("ci", max_examples=150, derandomize=True, database=None, print_blob=True, **_common)
+settings.register_profile("thorough", max_examples=2000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
 
 # tests/backend registers a test accelerator, which changes torch for the whole process: it runs
 # in a process of its own, started by tests/test_pack.py with TODEVICE_TDTEST=1.

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
@@ -24,25 +24,20 @@ CORPUS = helpers.corpus()
 # random trees hold complex tensors and the dtype tests cast them.
 pytestmark = pytest.mark.filterwarnings("ignore:Casting complex values to real discards:UserWarning")
 
-hypothesis_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
 
 # ---------------------------------------------------------------- properties
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_meta_matches_reference(tree: Any) -> None:
     helpers.assert_same_tree(todevice.move(tree, "meta"), helpers.reference_move(tree, "meta"))
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_cpu_keeps_every_value(tree: Any) -> None:
     helpers.assert_same_tree(todevice.move(tree, "cpu"), helpers.reference_move(tree, "cpu"), values=True)
 
 
-@hypothesis_settings
 @given(strategies.trees, strategies.st.sampled_from([torch.float64, torch.float16, torch.complex128]))
 def test_dtype_cast_matches_reference(tree: Any, st_dtype: torch.dtype) -> None:
     actual = todevice.move(tree, "cpu", dtype=st_dtype)
@@ -50,7 +45,6 @@ def test_dtype_cast_matches_reference(tree: Any, st_dtype: torch.dtype) -> None:
     helpers.assert_same_tree(actual, expected, values=True)
 
 
-@hypothesis_settings
 @given(strategies.trees, strategies.st.sampled_from(["meta", "cpu"]))
 def test_input_is_never_mutated(tree: Any, device: str) -> None:
     before = helpers.snapshot(tree)
@@ -59,7 +53,6 @@ def test_input_is_never_mutated(tree: Any, device: str) -> None:
     helpers.assert_snapshot_equal(before, helpers.snapshot(tree))
 
 
-@hypothesis_settings
 @given(strategies.trees_with_aliases())
 def test_aliases_and_shared_memory_survive(tree: Any) -> None:
     out = todevice.move(tree, "cpu", dtype=torch.float64)
@@ -71,7 +64,6 @@ def test_aliases_and_shared_memory_survive(tree: Any) -> None:
         assert t1.data_ptr() == t2.data_ptr()
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
     """The stack-based walk used past Python's recursion limit agrees with the fast walk."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import todevice
@@ -20,8 +20,6 @@ from todevice import _move, _pack, _stream, _tree
 
 META = torch.device("meta")
 ROOT = Path(__file__).resolve().parent.parent
-
-hypothesis_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def packed_tensors(tree: Any) -> list[torch.Tensor]:
@@ -32,14 +30,12 @@ def packed_tensors(tree: Any) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- pack() and unpack()
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_pack_unpack_round_trips_exactly(tree: Any) -> None:
     out = todevice.pack(tree).unpack()
     helpers.assert_same_tree(out, helpers.reference_move(tree, "cpu"), values=True)
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_every_view_is_aligned_and_the_buffer_is_tight(tree: Any) -> None:
     packed = todevice.pack(tree)
@@ -53,21 +49,18 @@ def test_every_view_is_aligned_and_the_buffer_is_tight(tree: Any) -> None:
     assert packed.buffer.numel() <= data + _pack.ALIGN * len(packed.layout.groups)
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_packed_batch_pickles_and_round_trips(tree: Any) -> None:
     packed = pickle.loads(pickle.dumps(todevice.pack(tree)))
     helpers.assert_same_tree(packed.unpack(), helpers.reference_move(tree, "cpu"), values=True, same=False)
 
 
-@hypothesis_settings
 @given(strategies.trees)
 def test_coalesced_path_to_meta_matches_the_reference(tree: Any) -> None:
     out = todevice.move(tree, "meta", coalesce=True)
     helpers.assert_same_tree(out, helpers.reference_move(tree, "meta"))
 
 
-@hypothesis_settings
 @given(strategies.trees, st.sampled_from([torch.float16, torch.float64, torch.complex128]))
 @pytest.mark.filterwarnings("ignore:Casting complex values to real discards:UserWarning")
 def test_coalesced_cast_matches_the_reference(tree: Any, dtype: torch.dtype) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 
 import todevice
 from tests import helpers, strategies
@@ -80,7 +80,6 @@ def test_packed_batch_unpacks_on_the_device() -> None:
     helpers.assert_same_tree(back, tree, values=True)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(strategies.trees)
 def test_random_trees_round_trip(tree: Any) -> None:
     _, back = there_and_back(tree)
