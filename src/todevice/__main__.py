@@ -51,19 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         loader = _bench.loader_main(batches=args.batches)
         print()
         guard = _bench.guard_main()
-        if args.json is not None:
-            import json
-
-            result = {
-                "environment": _bench.environment(),
-                "rows": overhead,
-                "transfer": transfer,
-                "loader": loader,
-                "guard": guard,
-            }
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-            print(f"wrote {args.json}")
+        _bench.write_json(args.json, {"rows": overhead, "transfer": transfer, "loader": loader, "guard": guard})
     return 0
 
 

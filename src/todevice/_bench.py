@@ -7,13 +7,14 @@ installed; ``bench/bench_overhead.py`` runs the same code with more rounds and w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -102,13 +103,35 @@ def contenders() -> dict[str, Callable[[Any, torch.device], Any]]:
     return found
 
 
-def _sample(fn: Callable[[Any, torch.device], Any], tree: Any, dev: torch.device) -> float:
-    # One call per sample, as a training loop makes one call per step between other work: calling
-    # the same function back to back flatters whoever allocates least (the allocator's free lists
-    # stay hot), which is not what a loop sees.
-    start = time.perf_counter()
-    fn(tree, dev)
-    return time.perf_counter() - start
+def interleaved(funcs: Mapping[str, Callable[[], Any]], rounds: int, rng: random.Random) -> dict[str, list[float]]:
+    """Seconds per call of each function: one call per sample, the order shuffled every round.
+
+    One call per sample, as a training loop makes one call per step between other work: calling the
+    same function back to back flatters whoever allocates least (the allocator's free lists stay
+    hot). The shuffle keeps any one function from always running first, or right after another.
+    The garbage collector is off during the rounds.
+    """
+    times: dict[str, list[float]] = {name: [] for name in funcs}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            order = list(funcs)
+            rng.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                funcs[name]()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return times
+
+
+def write_json(json_path: str | None, result: dict[str, Any]) -> None:
+    if json_path is not None:
+        with open(json_path, "w") as f:
+            json.dump({"environment": environment(), **result}, f, indent=2)
+        print(f"wrote {json_path}")
 
 
 def run(rounds: int = 30, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
@@ -121,17 +144,8 @@ def run(rounds: int = 30, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     for wname, tree in workloads.items():
         for dev in targets:
             moved = {name: count_tensors(fn(tree, dev), dev) for name, fn in funcs.items()}  # also warms up
-            times: dict[str, list[float]] = {name: [] for name in funcs}
-            gc.collect()
-            gc.disable()
-            try:
-                for _ in range(rounds):
-                    order = list(funcs)
-                    rng.shuffle(order)  # no contender always runs first, or right after another
-                    for name in order:
-                        times[name].append(_sample(funcs[name], tree, dev))
-            finally:
-                gc.enable()
+            calls = {name: functools.partial(fn, tree, dev) for name, fn in funcs.items()}
+            times = interleaved(calls, rounds, rng)
             base = statistics.median(times["todevice.move"])
             for name in funcs:
                 med = statistics.median(times[name])
@@ -182,10 +196,7 @@ def main(rounds: int = 30, json_path: str | None = None) -> list[dict[str, Any]]
         "'meta': every tensor copied. Medians of interleaved rounds; lower time is better."
     )
     print(table(rows))
-    if json_path is not None:
-        with open(json_path, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
-        print(f"wrote {json_path}")
+    write_json(json_path, {"rows": rows})
     return rows
 
 
@@ -228,19 +239,7 @@ def host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
     }
     for fn in funcs.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in funcs}
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            order = list(funcs)
-            rng.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                funcs[name]()
-                times[name].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
+    times = interleaved(funcs, rounds, rng)
     base = statistics.median(times["per-leaf .to('meta')"])
     return [
         {
@@ -331,11 +330,8 @@ def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, A
         print("|---|---|---:|---:|")
         for r in device:
             print(f"| {r['workload']} | {r['contender']} | {r['gb_per_s']:.1f} | {r['x_single_copy']:.0%} |")
-    result = {"environment": environment(), "host": host, "device": device}
-    if json_path is not None:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {json_path}")
+    result = {"host": host, "device": device}
+    write_json(json_path, result)
     return result
 
 
@@ -415,10 +411,7 @@ def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[s
             f"| {r['tensors_per_sample']} | {r['contender']} | {r['batches_per_s']:.0f} | "
             f"{r['x_default_collate']:.2f}x | {r['segments_per_batch']} |"
         )
-    if json_path is not None:
-        with open(json_path, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
-        print(f"wrote {json_path}")
+    write_json(json_path, {"rows": rows})
     return rows
 
 
@@ -428,29 +421,20 @@ def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[s
 def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     """Forward time of a small MLP without guard(), with it, and after its removal, in one run."""
     rng = random.Random(seed)
-    layers: list[torch.nn.Module] = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers)
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.ReLU() for i in range(16)])
+
+    model, guarded, removed = mlp(), mlp(), mlp()
     x = torch.randn(4, 64)
-    guarded = torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.ReLU() for i in range(16)])
-    guarded.load_state_dict(model.state_dict())
-    removed = torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.ReLU() for i in range(16)])
-    removed.load_state_dict(model.state_dict())
     hooks = todevice.guard(guarded)
     todevice.guard(removed).remove()
-    funcs = {"no guard": model, "guard(model)": guarded, "guard removed": removed}
-    times: dict[str, list[float]] = {name: [] for name in funcs}
+    models = {"no guard": model, "guard(model)": guarded, "guard removed": removed}
     with torch.no_grad():
-        for m in funcs.values():
+        for m in models.values():
             m(x)
-        for _ in range(rounds):
-            order = list(funcs)
-            rng.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                funcs[name](x)
-                times[name].append(time.perf_counter() - start)
+        times = interleaved({name: functools.partial(m, x) for name, m in models.items()}, rounds, rng)
     hooks.remove()
     base = statistics.median(times["no guard"])
     return [
@@ -473,8 +457,5 @@ def guard_main(rounds: int = 200, json_path: str | None = None) -> list[dict[str
         print(
             f"| {r['contender']} | {r['median_us']:.1f} | {r['overhead_us']:+.1f} | {r['overhead_us_per_hook']:+.2f} |"
         )
-    if json_path is not None:
-        with open(json_path, "w") as f:
-            json.dump({"environment": environment(), "rows": rows}, f, indent=2)
-        print(f"wrote {json_path}")
+    write_json(json_path, {"rows": rows})
     return rows
