@@ -142,8 +142,12 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         return self._ahead(side)
 
     def _plain(self) -> Iterator[B]:
+        batch: Any
         for batch in self.iterable:
-            yield _move.move(batch, self.device, non_blocking=self.non_blocking)
+            if type(batch) is _pack.PackedBatch:  # what collate() hands over: straight to its unpacking
+                yield _move.unpack(batch, self.device, non_blocking=self.non_blocking)
+            else:
+                yield _move.move(batch, self.device, non_blocking=self.non_blocking)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
         pending: collections.deque[tuple[Any, list[torch.Tensor], torch.Event]] = collections.deque()

@@ -658,16 +658,16 @@ def _unpack(
     batch: _pack.PackedBatch, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None
 ) -> tuple[Any, _Mover]:
     buffer = batch.buffer
-    mover = _Mover(dev, non_blocking, dtype, False)
+    made: list[torch.Tensor] = []  # tensors this unpacking makes on ``dev``: the copy, and casts of it
     if buffer.device != dev:
-        nb = non_blocking and (buffer.is_pinned() if mover.mps else True)
+        nb = non_blocking and (buffer.is_pinned() if dev.type == "mps" else True)
         buffer = buffer.to(dev, non_blocking=nb)
-        mover.buffers.append(buffer)
-    views = _pack.read(buffer, batch.layout, dtype, made=mover.buffers)
+        made.append(buffer)
+    views = _pack.read(buffer, batch.layout, dtype, made=made)
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
-    mover.views = views
-    mover.walk, mover.tensor = mover._build()
+    mover = _Mover(dev, non_blocking, dtype, False, views=views)
+    mover.buffers = made
     return _run(mover, batch.skeleton, batch.skeleton), mover
 
 
