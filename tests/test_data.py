@@ -259,3 +259,19 @@ def test_worker_collate_refuses_sparse_tensors_as_default_collate_does() -> None
     sparse = [torch.eye(2).to_sparse(), torch.eye(2).to_sparse()]
     with pytest.raises(RuntimeError, match="Batches of sparse tensors are not currently supported"):
         _data._default_collate_for_packing(sparse)
+
+
+def test_a_break_closes_a_generator_source_without_streams_too() -> None:
+    closed = []
+
+    def source() -> Iterator[dict[str, Any]]:
+        try:
+            for i in range(10):
+                yield {"i": torch.ones(1) * i}
+        finally:
+            closed.append(True)
+
+    for batch in todevice.prefetch(source(), "meta"):
+        if batch["i"].shape == (1,):
+            break
+    assert closed == [True]

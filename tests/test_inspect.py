@@ -165,7 +165,8 @@ def test_guard_names_the_submodule_the_input_and_both_devices() -> None:
         net(cpu(2))
     assert str(info.value) == (
         "Module head (Linear) is on meta, but its input args[0] is on cpu. "
-        "Move the input with todevice.move(x, 'meta'), or the module with module.to(...)."
+        "Move the input with todevice.move(x, 'meta'), or the module with module.to(...); "
+        "an input that belongs where it is goes in guard(model, ignore=[...])."
     )
 
 
@@ -225,3 +226,104 @@ def test_guard_skips_modules_without_tensors_of_their_own() -> None:
     g = todevice.guard(Net())
     assert repr(g) == "todevice.guard(Net, 2 hooks)"  # encoder.0 and head; not Net, encoder, ReLU
     g.remove()
+
+
+# ---------------------------------------------------------------- found in review
+
+
+def test_devices_and_check_look_inside_objects_with_their_own_to() -> None:
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    seq = pack_padded_sequence(torch.ones(3, 2, 2), torch.tensor([3, 2]))
+    found = todevice.devices({"seq": seq})
+    assert found["['seq'].data"] == CPU and found["['seq'].batch_sizes"] == CPU
+
+    class Encoding(dict):  # type: ignore[type-arg]
+        def to(self, device: Any) -> Any:
+            return self
+
+    with pytest.raises(todevice.DeviceMismatchError, match=r"cpu: objs\[1\]\['input_ids'\]"):
+        todevice.check(nn.Linear(1, 1).to("meta"), Encoding(input_ids=cpu(2)))
+
+
+def test_diagnostics_of_a_cyclic_structure_say_so() -> None:
+    cyc: list[Any] = [cpu(1)]
+    cyc.append(cyc)
+    for call in (todevice.devices, todevice.check):
+        with pytest.raises(ValueError, match="Cannot inspect a cyclic structure"):
+            call(cyc)
+
+
+def test_a_container_reached_twice_is_listed_at_both_places() -> None:
+    shared = [cpu(1), meta(1)]
+    assert set(todevice.devices({"a": shared, "b": shared})) == {"['a'][0]", "['a'][1]", "['b'][0]", "['b'][1]"}
+
+
+def test_check_against_cpu_with_an_index() -> None:
+    assert todevice.check(cpu(2), device="cpu:0") == CPU
+
+
+def test_audit_of_stock_recurrent_modules_is_empty() -> None:
+    assert todevice.audit(nn.LSTM(2, 2)) == [] and todevice.audit(nn.GRU(2, 2, num_layers=2)) == []
+
+
+def test_audit_finds_modules_in_plain_lists_and_tensors_in_dataclasses() -> None:
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [nn.Linear(1, 1)]  # Module.to() skips a plain list of modules
+            self.state = helpers.Record(torch.zeros(1))
+
+    found = [(f.path, f.kind) for f in todevice.audit(Holder())]
+    assert found == [("layers[0]", "tensor-in-container"), ("state.a", "tensor-in-container")]
+    assert "Use nn.ModuleList or nn.ModuleDict" in todevice.audit(Holder())[0].message
+
+
+def test_audit_reports_a_shared_submodule_once() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = Inner()
+            self.b = self.a
+
+    assert [f.path for f in todevice.audit(Shared())] == ["a.table", "a.cache[0]", "a.cache[1]['k']"]
+
+
+def test_audit_leaves_pruned_weights_alone() -> None:
+    from torch.nn.utils import prune
+
+    layer = nn.Linear(4, 4)
+    prune.l1_unstructured(layer, "weight", amount=0.5)
+    assert todevice.audit(layer) == []
+
+
+def test_guard_accepts_cpu_scalars_as_pytorch_does() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(meta(2))
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.w * x * scale
+
+    module = Scaled()
+    with todevice.guard(module):
+        assert module(meta(2), torch.tensor(2.0)).device == META
+
+
+def test_guard_ignores_inputs_that_belong_where_they_are() -> None:
+    class Lengths(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(meta(2))
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return self.w * x
+
+    module = Lengths()
+    with todevice.guard(module, ignore=["lengths"]):
+        module(meta(2), lengths=cpu(3))
+    with todevice.guard(module, ignore=["args[1]"]):
+        module(meta(2), cpu(3))
+    with todevice.guard(module), pytest.raises(todevice.DeviceMismatchError, match=r"kwargs\['lengths'\] is on cpu"):
+        module(meta(2), lengths=cpu(3))

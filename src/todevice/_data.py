@@ -143,11 +143,15 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
 
     def _plain(self) -> Iterator[B]:
         batch: Any
-        for batch in self.iterable:
-            if type(batch) is _pack.PackedBatch:  # what collate() hands over: straight to its unpacking
-                yield _move.unpack(batch, self.device, non_blocking=self.non_blocking)
-            else:
-                yield _move.move(batch, self.device, non_blocking=self.non_blocking)
+        source = iter(self.iterable)
+        try:
+            for batch in source:
+                if type(batch) is _pack.PackedBatch:  # what collate() hands over: straight to its unpacking
+                    yield _move.unpack(batch, self.device, non_blocking=self.non_blocking)
+                else:
+                    yield _move.move(batch, self.device, non_blocking=self.non_blocking)
+        finally:
+            _close(source)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
         pending: collections.deque[tuple[Any, list[torch.Tensor], torch.Event]] = collections.deque()
@@ -173,6 +177,10 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         finally:
             if pending:
                 side.synchronize()  # a break or an error: no copy is left running behind the loop
-            close = getattr(source, "close", None)
-            if callable(close):
-                close()  # a generator source is finished now, not whenever it is collected
+            _close(source)
+
+
+def _close(source: Iterator[Any]) -> None:
+    close = getattr(source, "close", None)
+    if callable(close):
+        close()  # a generator source is finished now, not whenever it is collected

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -18,7 +19,12 @@ _Tensor = torch.Tensor
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in ``obj``; a module's by qualified name, wherever it sits."""
+    """(path, tensor) for every tensor in ``obj``, at every place it is reached.
+
+    A module's tensors go by qualified name, wherever the module sits. An object that moves itself
+    through ``.to()`` (PackedSequence, a tokenizer's BatchEncoding) is looked into as well: its
+    fields, items or attributes.
+    """
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
         for name, p in obj.named_parameters(remove_duplicate=False):
@@ -27,11 +33,27 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             if b is not None:
                 yield f"{prefix}{sep}{name}", b
         return
-    for path, node in _tree.walk_paths(obj):
-        if isinstance(node, torch.Tensor):
-            yield prefix + path, node
-        elif isinstance(node, nn.Module):
-            yield from _tensors(node, prefix + path)
+    try:
+        for path, node in _tree.walk_paths(obj, revisit=True):
+            if isinstance(node, torch.Tensor):
+                yield prefix + path, node
+            elif isinstance(node, nn.Module):
+                yield from _tensors(node, prefix + path)
+            elif _tree.kind_of(type(node)).code == _tree.TO:
+                for part, inner in _inside(node):
+                    yield from _tensors(inner, prefix + path + part)
+    except _tree.CycleError as cycle:
+        raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot inspect", 1)) from None
+
+
+def _inside(obj: Any) -> Iterator[tuple[str, Any]]:
+    """What an object with its own ``.to()`` holds, for diagnostics: a guess, never used to move."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        yield from ((f".{name}", value) for name, value in zip(obj._fields, obj))
+    elif isinstance(obj, collections.abc.Mapping):
+        yield from ((f"[{key!r}]", value) for key, value in obj.items())
+    else:
+        yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
 
 
 def devices(obj: Any, /) -> dict[str, torch.device]:
@@ -84,6 +106,8 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
     .. versionadded:: 0.1.0
     """
     want = _stream.resolve_device(device) if device is not None else None
+    if want is not None and want.type == "cpu":
+        want = torch.device("cpu")  # tensors say "cpu", never "cpu:0"
     by_device: dict[torch.device, list[str]] = {}
     for i, obj in enumerate(objs):
         prefix = f"objs[{i}]" if len(objs) > 1 else ""
@@ -158,52 +182,77 @@ def audit(module: nn.Module, /) -> list[Finding]:
 
     .. versionadded:: 0.1.0
     """
+    registered = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     findings: list[Finding] = []
-    for name, sub in module.named_modules(remove_duplicate=False):
+    for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         for attr, value in vars(sub).items():
-            if attr.startswith("_") and attr in ("_parameters", "_buffers", "_modules"):
+            if attr in ("_parameters", "_buffers", "_modules"):
                 continue
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                findings.append(
-                    Finding(
-                        prefix + attr,
-                        "unregistered-tensor",
-                        f"{prefix}{attr} is a tensor attribute on {value.device}, neither a parameter nor a buffer: "
-                        f"Module.to() will not move it. Register it with "
-                        f"self.register_buffer({attr!r}, tensor) (persistent=False to keep it out of the "
-                        f"state_dict), or make it an nn.Parameter.",
-                    )
-                )
-            elif isinstance(value, _PLAIN_CONTAINERS):
-                for path, node in _tree.walk_paths(value):
-                    if isinstance(node, torch.Tensor):
-                        where = f"{prefix}{attr}{path}"
-                        findings.append(
-                            Finding(
-                                where,
-                                "tensor-in-container",
-                                f"{where} is a tensor on {node.device} in a plain {type(value).__name__} "
-                                f"attribute: Module.to() will not move it. Use nn.ParameterList or "
-                                f"nn.ParameterDict for parameters, or register each tensor as a buffer.",
-                            )
-                        )
-        own = [(n, t) for n, t in sub.named_parameters(recurse=False)]
-        own += [(n, t) for n, t in sub.named_buffers(recurse=False) if t is not None]
-        split: dict[torch.device, list[str]] = {}
-        for n, t in own:
-            split.setdefault(t.device, []).append(prefix + n)
-        if len(split) > 1:
-            where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
-            findings.append(
-                Finding(
-                    name,
-                    "split-devices",
-                    f"{_tree.format_path(name) if name else 'The module'} has parameters and buffers on "
-                    f"{len(split)} devices ({where}). Move the module whole with module.to(device).",
-                )
-            )
+            where = prefix + attr
+            if isinstance(value, torch.Tensor):
+                if id(value) not in registered and not _recomputed(sub, attr):
+                    findings.append(_unregistered(where, attr, value))
+            elif isinstance(value, _PLAIN_CONTAINERS) or _tree.kind_of(type(value)).code == _tree.NODE:
+                findings.extend(_in_container(where, value, registered))
+        findings.extend(_split(name, sub))
     return findings
+
+
+def _recomputed(module: nn.Module, attr: str) -> bool:
+    """A tensor attribute that a pre-hook rebuilds each forward from registered parameters: pruning
+    and spectral norm keep ``<attr>_orig``, the old weight norm ``<attr>_g`` and ``<attr>_v``."""
+    params = module._parameters
+    return f"{attr}_orig" in params or (f"{attr}_g" in params and f"{attr}_v" in params)
+
+
+def _unregistered(where: str, attr: str, value: torch.Tensor) -> Finding:
+    return Finding(
+        where,
+        "unregistered-tensor",
+        f"{where} is a tensor attribute on {value.device}, neither a parameter nor a buffer: Module.to() will not "
+        f"move it. Register it with self.register_buffer({attr!r}, tensor) (persistent=False to keep it out of "
+        f"the state_dict), or make it an nn.Parameter.",
+    )
+
+
+def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Finding]:
+    """Tensors, and modules, held in a plain container attribute: Module.to() reaches neither."""
+    kind = type(value).__name__
+    for path, node in _tree.walk_paths(value):
+        if isinstance(node, torch.Tensor) and id(node) not in registered:  # not a view of a parameter (RNNs)
+            yield Finding(
+                where + path,
+                "tensor-in-container",
+                f"{where}{path} is a tensor on {node.device} in a plain {kind} attribute: Module.to() will not "
+                f"move it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a "
+                f"buffer.",
+            )
+        elif isinstance(node, nn.Module) and any(id(p) not in registered for p in node.parameters()):
+            yield Finding(
+                where + path,
+                "tensor-in-container",
+                f"{where}{path} is a {type(node).__name__} in a plain {kind} attribute: Module.to() will not move "
+                f"its parameters and buffers. Use nn.ModuleList or nn.ModuleDict.",
+            )
+
+
+def _split(name: str, module: nn.Module) -> Iterator[Finding]:
+    """Parameters and buffers of one module on more than one device (a model split across devices on
+    purpose, one module per device, is not reported)."""
+    prefix = f"{name}." if name else ""
+    split: dict[torch.device, list[str]] = {}
+    for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if t is not None:
+            split.setdefault(t.device, []).append(prefix + n)
+    if len(split) > 1:
+        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
+        yield Finding(
+            name,
+            "split-devices",
+            f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({where}). "
+            f"Move the module whole with module.to(device).",
+        )
 
 
 # ---------------------------------------------------------------- guard()
@@ -227,19 +276,25 @@ class guard:  # named like a function: it is called, and used as a context manag
         ...
         todevice.errors.DeviceMismatchError: Module 1 (Linear) is on meta, but its input args[0] is on cpu...
 
+    A 0-dim CPU tensor is never reported: PyTorch accepts one beside tensors of any device.
+
     Args:
         module: The model to guard.
+        ignore: Inputs that belong where they are, by their path in the message (``"args[1]"``,
+            ``"kwargs['lengths']"``) or by keyword name (``"lengths"``): the CPU lengths that
+            ``pack_padded_sequence`` wants, for instance.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, module: nn.Module, /) -> None:
+    def __init__(self, module: nn.Module, /, *, ignore: Iterable[str] = ()) -> None:
         self.module = module
+        self.ignore = frozenset(ignore) | frozenset(f"kwargs[{name!r}]" for name in ignore)
         self._handles: list[Any] = []
         for name, sub in module.named_modules():
             if next(_own_tensors(sub), None) is None:
                 continue  # containers: their children check what reaches them
-            self._handles.append(sub.register_forward_pre_hook(_Hook(name, sub), with_kwargs=True))
+            self._handles.append(sub.register_forward_pre_hook(_Hook(name, sub, self.ignore), with_kwargs=True))
 
     def remove(self) -> None:
         """Take every hook off; the module is as it was before."""
@@ -265,9 +320,10 @@ def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 class _Hook:
     """The pre-hook of one submodule: cheap when inputs are right, precise when they are not."""
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(self, name: str, module: nn.Module, ignore: frozenset[str]) -> None:
         self.name = name
         self.module = module
+        self.ignore = ignore
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # The module's device, read at each call (it may have moved since the guard went on), from its
@@ -281,27 +337,37 @@ class _Hook:
             if own is None:
                 return
         want = own.device
-        if not kwargs:
+        if not kwargs and not self.ignore:
             for t in args:  # the common case, tensors as positional arguments: no walk at all
                 if type(t) is not _Tensor:
                     break
-                if t.device != want:
+                if t.device != want and not (t.is_cpu and t.dim() == 0):
                     self._fail(want, args, kwargs)
             else:
                 return
-        for _, t in _inputs(args, kwargs):
-            if t.device != want:
-                self._fail(want, args, kwargs)
+        if self._wrong(want, args, kwargs):
+            self._fail(want, args, kwargs)
+
+    def _wrong(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+        """The inputs off ``want``, but ignored ones and 0-dim CPU tensors (PyTorch accepts those)."""
+        return [
+            (path, t.device)
+            for path, t in _inputs(args, kwargs)
+            if t.device != want
+            and not (t.is_cpu and t.dim() == 0)
+            and not any(path == skip or path.startswith((skip + "[", skip + ".")) for skip in self.ignore)
+        ]
 
     def _fail(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        wrong = [(path, t.device) for path, t in _inputs(args, kwargs) if t.device != want]
+        wrong = self._wrong(want, args, kwargs)
         where = ", ".join(f"{path} is on {dev}" for path, dev in wrong[:SHOWN])
         if len(wrong) > SHOWN:
             where += f" and {len(wrong) - SHOWN} more"
         name = f"Module {self.name}" if self.name else "The top module"
         msg = (
             f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "
-            f"Move the input with todevice.move(x, {str(want)!r}), or the module with module.to(...)."
+            f"Move the input with todevice.move(x, {str(want)!r}), or the module with module.to(...); "
+            f"an input that belongs where it is goes in guard(model, ignore=[...])."
         )
         raise DeviceMismatchError(msg)
 

@@ -447,7 +447,6 @@ class _Mover:
                 continue
             stack.pop()
             out = _guarded(x, kind.unflatten, aux, done)
-            memo[id(x)] = (x, out)
             if stack:
                 stack[-1][5].append(out)
             else:

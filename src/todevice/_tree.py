@@ -474,11 +474,11 @@ def format_path(path: str) -> str:
     return path if path else "the top level"
 
 
-def walk_paths(obj: Any) -> Iterator[tuple[str, Any]]:
+def walk_paths(obj: Any, *, revisit: bool = False) -> Iterator[tuple[str, Any]]:
     """Every (path, object) pair below ``obj``, depth first, without recursion.
 
-    A container reached more than once is walked once; a container that contains itself raises
-    ``CycleError`` with the path of the repeat.
+    A container reached more than once is walked once, or at each place with ``revisit``; a
+    container that contains itself raises ``CycleError`` with the path of the repeat.
     """
     stack: list[tuple[str, Any, bool]] = [("", obj, False)]
     on_path: dict[int, str] = {}
@@ -498,7 +498,7 @@ def walk_paths(obj: Any) -> Iterator[tuple[str, Any]]:
         i = id(node)
         if i in on_path:
             raise CycleError(on_path[i], path, node)
-        if i in done:
+        if i in done and not revisit:
             continue
         on_path[i] = path
         stack.append((path, node, True))
