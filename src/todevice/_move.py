@@ -244,6 +244,8 @@ class _Mover:
                 if mps and nb and not t.is_pinned():
                     nb = False  # pageable-to-MPS async copies can return zeros (pytorch#83015)
                 out = t.to(dev, cast, non_blocking=nb)
+            except RecursionError:
+                raise  # deep nesting: move() falls back to a walk with a stack
             except Exception as err:
                 raise _LeafError(t, err) from err
             if to_host:
@@ -264,6 +266,8 @@ class _Mover:
                     if plain_to:  # to(t), inlined: this runs once per tensor moved
                         try:
                             out = t.to(dev)
+                        except RecursionError:
+                            raise
                         except Exception as err:
                             raise _LeafError(t, err) from err
                     else:
