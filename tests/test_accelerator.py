@@ -7,6 +7,7 @@ import torch
 
 import todevice
 from tests import strategies
+from todevice import _stream
 
 pytestmark = pytest.mark.accelerator
 
@@ -16,7 +17,7 @@ DTYPES = strategies.DTYPES
 def accelerator() -> torch.device:
     acc = torch.accelerator.current_accelerator()
     assert acc is not None
-    return torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.device(acc.type, _stream.current_index())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -21,6 +21,7 @@ import optree
 import torch
 
 import todevice
+from todevice import _stream
 
 
 def recursive_to_device(data: Any, device: Any) -> Any:
@@ -278,7 +279,7 @@ def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
         return "no accelerator on this machine (torch.accelerator.is_available() is False)"
     acc = torch.accelerator.current_accelerator()
     assert acc is not None
-    dev = torch.device(acc.type, torch.accelerator.current_device_index())
+    dev = torch.device(acc.type, _stream.current_index())
 
     def timed(fn: Callable[[], Any]) -> float:
         fn()  # warm-up: allocator, pinned staging, plan

@@ -78,6 +78,13 @@ def _check(device: object) -> torch.device:
     return dev
 
 
+def current_index() -> int:
+    """The current accelerator device's index (``current_device_idx`` before torch 2.7)."""
+    get = getattr(torch.accelerator, "current_device_index", None) or torch.accelerator.current_device_idx
+    index: int = get()
+    return index
+
+
 def resolve_device(device: DeviceLike) -> torch.device:
     """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached.
 
@@ -94,7 +101,7 @@ def resolve_device(device: DeviceLike) -> torch.device:
     if index is None and dev.type not in HOST_TYPES:
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if acc is not None and acc.type == dev.type:
-            return torch.device(dev.type, torch.accelerator.current_device_index())
+            return torch.device(dev.type, current_index())
     return dev
 
 
