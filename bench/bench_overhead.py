@@ -5,24 +5,10 @@ dict of 1,000 tensors. Targets: 'cpu', where the tensors already are (pure trave
 'meta' (every leaf copied, no data). Lightning and accelerate are timed when installed
 (``pip install -e .[bench]``). Prints a Markdown table and writes JSON.
 
-    python bench/bench_overhead.py [--rounds 100] [--json bench/results/overhead.json]
+    python bench/bench_overhead.py [--rounds 100] [--json bench/results/overhead.json]  (run from the repository root)
 """
-
-from __future__ import annotations
-
-import argparse
-from pathlib import Path
 
 from todevice import _bench
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=100, help="interleaved rounds per cell")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "overhead.json"))
-    args = parser.parse_args()
-    _bench.main(rounds=args.rounds, json_path=args.json)
-
-
 if __name__ == "__main__":
-    main()
+    _bench.script(__doc__, _bench.main, "overhead", rounds=100)

@@ -8,24 +8,10 @@ On an accelerator: host-to-device GB/s of ``move()`` against per-leaf ``.to(non_
 the hand-written helper, for 1,000 x 4 KiB, 100 x 1 MiB, 8 x 64 MiB and a mixed batch, beside one
 pinned 256 MiB copy. On a machine without one, it says why it skipped.
 
-    python bench/bench_transfer.py [--rounds 100] [--json bench/results/transfer.json]
+    python bench/bench_transfer.py [--rounds 100] [--json bench/results/transfer.json]  (run from the repository root)
 """
-
-from __future__ import annotations
-
-import argparse
-from pathlib import Path
 
 from todevice import _bench
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=100, help="interleaved rounds per cell")
-    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "transfer.json"))
-    args = parser.parse_args()
-    _bench.transfer_main(rounds=args.rounds, json_path=args.json)
-
-
 if __name__ == "__main__":
-    main()
+    _bench.script(__doc__, _bench.transfer_main, "transfer", rounds=100)

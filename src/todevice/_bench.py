@@ -128,6 +128,19 @@ def interleaved(funcs: Mapping[str, Callable[[], Any]], rounds: int, rng: random
     return times
 
 
+def script(doc: str | None, run: Callable[..., Any], name: str, **defaults: int) -> None:
+    """The command line of a bench/ script: ``--json`` and one ``--<option>`` per default."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for option, value in defaults.items():
+        parser.add_argument(f"--{option}", type=int, default=value, help=f"default {value}")
+    parser.add_argument("--json", default=str(Path("bench") / "results" / f"{name}.json"), help="where the JSON goes")
+    args = vars(parser.parse_args())
+    run(json_path=args.pop("json"), **args)
+
+
 def write_json(json_path: str | None, result: dict[str, Any]) -> None:
     if json_path is not None:
         with open(json_path, "w") as f:
