@@ -176,7 +176,7 @@ def fake_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         log["issued"].append(batch["i"])
         return todevice.move(batch, dev), [], ("event", batch["i"])
 
-    monkeypatch.setattr(_data._stream, "has_streams", lambda device: True)
+    monkeypatch.setattr(_data._stream, "is_accelerator", lambda device: True)
     monkeypatch.setattr(_data.torch, "Stream", make_stream)
     monkeypatch.setattr(_data._move, "move_on_stream", issue)
     monkeypatch.setattr(_data._stream, "receive", lambda event, outputs, device: log["received"].append(event[1]))

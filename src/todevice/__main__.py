@@ -14,7 +14,7 @@ from todevice import _stream
 
 def info() -> None:
     """What todevice sees on this machine."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    acc = _stream.accelerator()
     try:
         torch.empty(1).pin_memory()
         pinned = "yes"

@@ -131,7 +131,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
 
     def _side_stream(self) -> torch.Stream | None:
         """The side stream, made once; None where the device has no streams."""
-        if self._side is None and _stream.has_streams(self.device):
+        if self._side is None and _stream.is_accelerator(self.device):
             self._side = torch.Stream(device=self.device)
         return self._side
 

@@ -21,10 +21,15 @@ def _backend(device_type: str) -> types.ModuleType | None:
     return mod if isinstance(mod, types.ModuleType) else None
 
 
+def accelerator() -> torch.device | None:
+    """The current accelerator (cuda, xpu, mps, a PrivateUse1 backend), or None on a host-only machine."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
 def available_devices() -> list[str]:
     """Device types usable on this machine, for messages and ``python -m todevice info``."""
     found = ["cpu", "meta"]
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    acc = accelerator()
     if acc is not None:
         count = torch.accelerator.device_count()
         found[1:1] = [f"{acc.type}:{i}" for i in range(count)]
@@ -46,10 +51,9 @@ def _check(device: object) -> torch.device:
     if isinstance(device, int):
         if device < 0:
             raise _invalid(device, "a device index cannot be negative.")
-        if not torch.accelerator.is_available():
+        acc = accelerator()
+        if acc is None:
             raise _invalid(device, "an integer names an accelerator, and this machine has none.")
-        acc = torch.accelerator.current_accelerator()
-        assert acc is not None
         dev = torch.device(acc.type, device)
     elif isinstance(device, str):
         try:
@@ -98,17 +102,14 @@ def resolve_device(device: DeviceLike) -> torch.device:
         dev = _check(device)  # raises for an unhashable device, so the key below is hashable
         _resolved[key] = dev
     index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
-    if index is None and dev.type not in HOST_TYPES:
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        if acc is not None and acc.type == dev.type:
-            return torch.device(dev.type, current_index())
+    if index is None and dev.type not in HOST_TYPES and is_accelerator(dev):
+        return torch.device(dev.type, current_index())
     return dev
 
 
 def synchronize(device: torch.device) -> None:
     """Wait until the work queued on ``device``'s current stream has finished."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None and acc.type == device.type:
+    if is_accelerator(device):
         torch.accelerator.current_stream(device).synchronize()
         return
     mod = _backend(device.type)
@@ -144,10 +145,6 @@ def enter_stream(stream: torch.Stream, device: torch.device) -> torch.Stream:
     return user
 
 
-def leave_stream(user: torch.Stream) -> None:
-    torch.accelerator.set_stream(user)
-
-
 def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor]) -> None:
     """Make what ``side`` copied safe to use on ``user``.
 
@@ -155,16 +152,18 @@ def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor
     does not reuse its memory for ``side`` while ``user`` may still read it (pytorch#23729).
     """
     user.wait_stream(side)
+    _record(outputs, user)
+
+
+def _record(outputs: list[torch.Tensor], stream: torch.Stream) -> None:
     for t in outputs:
-        if t.device.type == user.device.type:
-            t.record_stream(user)
+        if t.device.type == stream.device.type:
+            t.record_stream(stream)
 
 
-def has_streams(device: torch.device) -> bool:
-    """Whether copies to ``device`` can run on a side stream: the current accelerator's devices."""
-    if not torch.accelerator.is_available():
-        return False
-    acc = torch.accelerator.current_accelerator()
+def is_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is one of the current accelerator's: it has streams, events and a current index."""
+    acc = accelerator()
     return acc is not None and acc.type == device.type
 
 
@@ -179,6 +178,4 @@ def receive(copied: torch.Event, outputs: list[torch.Tensor], device: torch.devi
     """Make tensors copied on a side stream safe on the current stream, when they are about to be used."""
     user = torch.accelerator.current_stream(device)
     user.wait_event(copied)
-    for t in outputs:
-        if t.device.type == device.type:
-            t.record_stream(user)
+    _record(outputs, user)
