@@ -102,7 +102,7 @@ def _check_dtype(dtype: object) -> torch.dtype:
 # of the work on a leaf that stays where it is, and `t.is_cpu` is a third cheaper than
 # `t.device == dev`, so the test is written into the loop rather than called.
 _WALK_SOURCE = """
-def factory(copy, to_object, other, dev, dtype, kind_of, atoms, _Tensor, _tree, views, slot, _LeafError):
+def factory(copy, to_object, other, dev, dtype, kind_of, atoms, _Tensor, _tree, views, slot, guarded):
     NODE, TENSOR, ATOM, TO, SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.TO, _tree.SLOT
     Slot = _tree.Slot
 
@@ -127,19 +127,8 @@ def factory(copy, to_object, other, dev, dtype, kind_of, atoms, _Tensor, _tree, 
             kind = kind_of(tp)
             code = kind.code
             if code == NODE:
-                try:
-                    children, aux = kind.flatten(x)
-                except RecursionError:
-                    raise
-                except Exception as err:
-                    raise _LeafError(x, err) from err
-                moved = [walk(c) for c in children]
-                try:
-                    out = kind.unflatten(aux, moved)
-                except RecursionError:
-                    raise
-                except Exception as err:
-                    raise _LeafError(x, err) from err
+                children, aux = guarded(x, kind.flatten, x)
+                out = guarded(x, kind.unflatten, aux, [walk(c) for c in children])
             elif code == TENSOR:
                 return tensor(x)
             elif code == TO:
@@ -190,7 +179,7 @@ def _skeleton_walker(take: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any
     keep: Callable[..., Any] = lambda x, *_: x  # noqa: E731
     factory = _walker_factory("False")
     kind_of = _tree.kind_for_packing
-    args: tuple[Any, ...] = (keep, keep, None, None, kind_of, _FAST_ATOMS, _Tensor, _tree, None, keep, _LeafError)
+    args: tuple[Any, ...] = (keep, keep, None, None, kind_of, _FAST_ATOMS, _Tensor, _tree, None, keep, _guarded)
     walk, _ = factory(take, *args)
     return walk  # type: ignore[no-any-return]
 
@@ -317,7 +306,7 @@ class _Mover:
             _tree,
             self.views,
             self.slot,
-            _LeafError,
+            _guarded,
         )
         return walk, tensor
 
@@ -543,7 +532,7 @@ def move(
         out, mover = _move(obj, dev, non_blocking, dtype, coalesce, coalesce_max_bytes, strict, user_stream, stream)
     finally:
         if user_stream is not None:
-            _stream.leave_stream(user_stream)
+            _stream.set_stream(user_stream)
     if user_stream is not None:
         assert stream is not None
         _stream.hand_over(stream, user_stream, mover.outputs())
@@ -592,7 +581,7 @@ def move_on_stream(
             out, mover = _move(batch, dev, non_blocking, None, None, COALESCE_MAX_BYTES, False, user, side)
         copied = _stream.record_event(side, dev)
     finally:
-        _stream.leave_stream(user)
+        _stream.set_stream(user)
     mover.finish()
     return out, mover.outputs(), copied
 
