@@ -76,8 +76,7 @@ def make_layout(signature: tuple[tuple[torch.dtype, torch.Size], ...], cast: tor
         stored, final = _buffer_dtype(dtype, cast)
         by_key.setdefault((stored, final, shape), []).append(k)
     groups: list[Block | Ragged] = []
-    order = [0] * len(signature)
-    slot = 0
+    walk_order: list[int] = []  # the walk's tensors, in the order the buffer holds them
     offset = 0
     ragged: dict[tuple[torch.dtype, torch.dtype], list[tuple[torch.Size, int]]] = {}
     for (stored, final, shape), members in by_key.items():
@@ -89,9 +88,7 @@ def make_layout(signature: tuple[tuple[torch.dtype, torch.Size], ...], cast: tor
         padded = _aligned(numel * size) // size
         groups.append(Block(stored, final, shape, len(members), padded, offset))
         offset += len(members) * padded * size
-        for k in members:
-            order[k] = slot
-            slot += 1
+        walk_order.extend(members)
     for (stored, final), entries in ragged.items():
         size = stored.itemsize
         shapes = tuple(shape for shape, _ in entries)
@@ -99,12 +96,10 @@ def make_layout(signature: tuple[tuple[torch.dtype, torch.Size], ...], cast: tor
         nbytes = sum((s.numel() + p) * size for s, p in zip(shapes, pads))
         groups.append(Ragged(stored, final, shapes, pads, offset, nbytes))
         offset += nbytes
-        for _, k in entries:
-            order[k] = slot
-            slot += 1
-    walk_order = [0] * len(order)
-    for k, i in enumerate(order):
-        walk_order[i] = k
+        walk_order.extend(k for _, k in entries)
+    order = [0] * len(walk_order)
+    for i, k in enumerate(walk_order):
+        order[k] = i
     return Layout(tuple(groups), offset, tuple(order), tuple(walk_order))
 
 
