@@ -178,18 +178,30 @@ def run(rounds: int = 30, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def markdown(columns: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table; a column named with a leading '>' is right-aligned (numbers)."""
+    header = "| " + " | ".join(c.lstrip(">") for c in columns) + " |"
+    rule = "|" + "|".join("---:" if c.startswith(">") else "---" for c in columns) + "|"
+    return "\n".join([header, rule] + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table: one line per (workload, target, contender)."""
-    lines = [
-        "| workload | target | contender | median (us) | time / move() time | tensors on target |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['target']} | {r['contender']} | {r['median_us']:.0f} | "
-            f"{r['x_move_time']:.2f}x | {r['tensors_on_target']}/{r['tensors']} |"
-        )
-    return "\n".join(lines)
+    """The traversal table: one line per (workload, target, contender)."""
+    columns = ["workload", "target", "contender", ">median (us)", ">time / move() time", ">tensors on target"]
+    return markdown(
+        columns,
+        [
+            [
+                r["workload"],
+                r["target"],
+                r["contender"],
+                f"{r['median_us']:.0f}",
+                f"{r['x_move_time']:.2f}x",
+                f"{r['tensors_on_target']}/{r['tensors']}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def environment() -> dict[str, Any]:
@@ -288,10 +300,9 @@ def _device_contenders(leaves: list[torch.Tensor], dev: torch.device) -> dict[st
 
 def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
     """Host-to-device GB/s of move() against per-leaf .to() and the helper; or why it cannot run."""
-    if not torch.accelerator.is_available():
+    acc = _stream.accelerator()
+    if acc is None:
         return "no accelerator on this machine (torch.accelerator.is_available() is False)"
-    acc = torch.accelerator.current_accelerator()
-    assert acc is not None
     dev = torch.device(acc.type, _stream.current_index())
 
     def timed(fn: Callable[[], Any]) -> float:
@@ -332,18 +343,16 @@ def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
 def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, Any]:
     host = host_rows(rounds=rounds)
     print("Transfer engine, host side: what coalescing costs the host (medians; lower is better).")
-    print("| workload | contender | median (us) | time / per-leaf .to('meta') |")
-    print("|---|---|---:|---:|")
-    for r in host:
-        print(f"| {r['workload']} | {r['contender']} | {r['median_us']:.0f} | {r['x_per_leaf_to']:.2f}x |")
+    columns = ["workload", "contender", ">median (us)", ">time / per-leaf .to('meta')"]
+    cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
+    print(markdown(columns, cells))
     device = device_rows()
     if isinstance(device, str):
         print(f"\nHost-to-device bandwidth: skipped, {device}.")
     else:
-        print("\n| workload | contender | GB/s | of the single-copy figure |")
-        print("|---|---|---:|---:|")
-        for r in device:
-            print(f"| {r['workload']} | {r['contender']} | {r['gb_per_s']:.1f} | {r['x_single_copy']:.0%} |")
+        columns = ["workload", "contender", ">GB/s", ">of the single-copy figure"]
+        cells = [[r["workload"], r["contender"], f"{r['gb_per_s']:.1f}", f"{r['x_single_copy']:.0%}"] for r in device]
+        print("\n" + markdown(columns, cells))
     result = {"host": host, "device": device}
     write_json(json_path, result)
     return result
@@ -387,7 +396,11 @@ def loader_rows(batches: int = 100, batch_size: int = 32, workers: int = 2) -> l
         for name in ("default_collate", "todevice.collate() + prefetch(..., 'cpu')", "default_collate again"):
             ours = name.startswith("todevice")
             loader = DataLoader(
-                data, batch_size=batch_size, num_workers=workers, collate_fn=collate_for(ours), prefetch_factor=4
+                data,
+                batch_size=batch_size,
+                num_workers=workers,
+                collate_fn=todevice.collate() if ours else None,
+                prefetch_factor=4,
             )
             batches_in = iter(loader)
             segments = _storages(next(batches_in))  # workers started and warm: time the steady state
@@ -411,20 +424,21 @@ def loader_rows(batches: int = 100, batch_size: int = 32, workers: int = 2) -> l
     return rows
 
 
-def collate_for(ours: bool) -> Any:
-    return todevice.collate() if ours else None
-
-
 def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[str, Any]]:
     rows = loader_rows(batches=batches)
     print("DataLoader, 2 workers, batches of 32: batches per second (higher is better).")
-    print("| tensors per sample | contender | batches/s | x default_collate | segments per batch |")
-    print("|---:|---|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['tensors_per_sample']} | {r['contender']} | {r['batches_per_s']:.0f} | "
-            f"{r['x_default_collate']:.2f}x | {r['segments_per_batch']} |"
-        )
+    columns = [">tensors per sample", "contender", ">batches/s", ">x default_collate", ">segments per batch"]
+    cells = [
+        [
+            str(r["tensors_per_sample"]),
+            r["contender"],
+            f"{r['batches_per_s']:.0f}",
+            f"{r['x_default_collate']:.2f}x",
+            str(r["segments_per_batch"]),
+        ]
+        for r in rows
+    ]
+    print(markdown(columns, cells))
     write_json(json_path, {"rows": rows})
     return rows
 
@@ -465,11 +479,11 @@ def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
 def guard_main(rounds: int = 200, json_path: str | None = None) -> list[dict[str, Any]]:
     rows = guard_rows(rounds=rounds)
     print("guard() overhead per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians).")
-    print("| model | forward (us) | overhead (us) | per guarded module (us) |")
-    print("|---|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['contender']} | {r['median_us']:.1f} | {r['overhead_us']:+.1f} | {r['overhead_us_per_hook']:+.2f} |"
-        )
+    columns = ["model", ">forward (us)", ">overhead (us)", ">per guarded module (us)"]
+    cells = [
+        [r["contender"], f"{r['median_us']:.1f}", f"{r['overhead_us']:+.1f}", f"{r['overhead_us_per_hook']:+.2f}"]
+        for r in rows
+    ]
+    print(markdown(columns, cells))
     write_json(json_path, {"rows": rows})
     return rows
