@@ -15,6 +15,16 @@ class Point(NamedTuple):
     y: Any
 
 
+class Twin(Point):
+    """A namedtuple subclass whose constructor takes other arguments than its fields: Twin(v) is (v, v)."""
+
+    def __new__(cls, x: Any) -> Twin:  # type: ignore[misc]
+        return super().__new__(cls, x, x)
+
+    def __getnewargs__(self) -> tuple[Any]:  # pickles as Twin(x)
+        return (self.x,)
+
+
 @dataclasses.dataclass
 class Record:
     a: Any
@@ -115,7 +125,9 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> A
         if hasattr(tp, "to"):
             return x.to(device)
         if isinstance(x, tuple) and hasattr(tp, "_fields"):
-            return tp(*(go(v) for v in x))
+            return tp._make(go(v) for v in x)  # not tp(*...): Twin's constructor takes one value
+        if isinstance(x, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types
+            return tp([go(v) for v in x])
         if tp is LateRecord:
             return make_late(go(x.a), go(x.late))
         if dataclasses.is_dataclass(x):
@@ -271,4 +283,8 @@ def corpus() -> dict[str, Any]:
         "parameter": torch.nn.Parameter(torch.ones(2)),
         "module-inside": {"m": torch.nn.Linear(2, 2), "x": t},
         "tuple-of-tuples": ((t,), ((t + 1,),)),
+        "namedtuple-own-new": {"twin": Twin(t)},
+        "structseq": {"max": torch.max(t, 1)},
+        "dict-of-objects": {"r": Record(t), "s": {t}, "l": TaggedList("tag", [t]), "n": None, "x": [t.t(), 1]},
+        "empty-tensors": {"a": torch.empty(0), "b": torch.empty(0, 2)},
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import pickle
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import optree
 import pytest
 import torch
 from hypothesis import given
@@ -388,3 +390,124 @@ def test_coalesced_tensors_can_be_modified_in_place_with_autograd() -> None:
     out["x"][0].mul_(w)  # as a tensor from .to() allows
     out["r"].mul_(w)
     assert out["x"][0].requires_grad
+
+
+def test_unpacked_tensors_are_independent_for_autograd() -> None:
+    """Changing one tensor of a batch in place must not fail the backward pass of another.
+
+    Views of one buffer share its version counter, so an in-place change to ``y`` would count as a
+    change to ``x`` ("modified by an inplace operation"), which a tensor from .to() never does.
+    """
+    for out in (
+        todevice.pack({"x": torch.randn(4), "y": torch.randn(4)}).unpack(),
+        todevice.move({"x": torch.randn(4), "y": torch.randn(4)}, "meta", coalesce=True),
+    ):
+        w = torch.ones(4, device=out["x"].device, requires_grad=True)
+        loss = (out["x"] * w).sum()
+        out["y"].add_(1)
+        assert out["x"]._version == 0
+        loss.backward()
+
+
+def test_unpacked_tensors_share_the_buffer_and_are_plain_tensors() -> None:
+    packed = todevice.pack([torch.randn(4), torch.randn(4), torch.arange(3)])
+    out = packed.unpack()
+    base = packed.buffer.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for t in out)
+    assert all(t._base is None and t.grad_fn is None and not t.requires_grad for t in out)
+
+
+# ---------------------------------------------------------------- the flat path (optree takes containers apart)
+
+
+@pytest.mark.parametrize("name", sorted(helpers.corpus()))
+def test_corpus_round_trips_through_pack_and_the_coalesced_path(name: str) -> None:
+    tree = helpers.corpus()[name]
+    helpers.assert_same_tree(todevice.pack(tree).unpack(), helpers.reference_move(tree, "cpu"), values=True)
+    if name != "module-inside":  # a module comes back from pickle as another, unequal, module
+        again = pickle.loads(pickle.dumps(todevice.pack(tree))).unpack()
+        helpers.assert_same_tree(again, helpers.reference_move(tree, "cpu"), values=True, same=False)
+    helpers.assert_same_tree(todevice.move(tree, "meta", coalesce=True), helpers.reference_move(tree, "meta"))
+
+
+def test_a_batch_of_builtin_containers_packs_flat_and_its_treespec_is_checked_once() -> None:
+    def batch() -> Any:
+        return {"x": [torch.randn(2) for _ in range(3)], "y": (torch.arange(2), "s", None), "z": helpers.Point(1, 2)}
+
+    packed = todevice.pack(batch())
+    assert type(packed.skeleton) is _tree.Flat and packed.skeleton.order is not None
+    checked = _pack.specs.checked
+    for _ in range(3):
+        helpers.assert_same_tree(todevice.pack(b := batch()).unpack(), b, values=True, same=False)
+    assert _pack.specs.checked == checked
+
+
+def test_leaves_optree_keeps_whole_are_walked_by_todevice_rules() -> None:
+    t = torch.randn(3)
+    tree = {"r": helpers.Record(t, [t + 1]), "d": helpers.TaggedDict("tag", {"k": t + 2}), "x": t + 3}
+    packed = todevice.pack(tree)
+    assert type(packed.skeleton) is _tree.Flat and packed.skeleton.order is None
+    out = packed.unpack()
+    helpers.assert_same_tree(out, helpers.reference_move(tree, "cpu"), values=True)
+    assert out["r"].a is not t and out["d"].tag == "tag"
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"twin": helpers.Twin(torch.ones(2))},  # optree would call Twin(x, y)
+        {"n": helpers.Point(torch.ones(2), 1), "d": collections.OrderedDict(a=torch.ones(1))},
+    ],
+    ids=["namedtuple-with-own-new", "allowed-nodes"],
+)
+def test_nodes_optree_would_rebuild_otherwise_keep_the_walk(tree: Any) -> None:
+    packed = todevice.pack(tree)
+    own_new = "twin" in tree
+    assert (type(packed.skeleton) is _tree.Flat) is not own_new
+    helpers.assert_same_tree(packed.unpack(), helpers.reference_move(tree, "cpu"), values=True)
+
+
+def test_a_type_registered_with_optree_itself_keeps_the_walk() -> None:
+    class Pair:
+        def __init__(self, a: Any, b: Any) -> None:
+            self.a, self.b = a, b
+
+    everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
+    optree.register_pytree_node(Pair, lambda p: ((p.b,), p.a), lambda a, ch: Pair(a, ch[0]), namespace=everywhere)
+    try:
+        pair = Pair(torch.ones(1), torch.zeros(1))
+        packed = todevice.pack({"p": pair, "x": torch.ones(2)})
+        assert type(packed.skeleton) is not _tree.Flat
+        out = packed.unpack()
+        assert out["p"] is pair  # todevice passes unknown objects through, as move() does
+    finally:
+        optree.unregister_pytree_node(Pair, namespace=everywhere)
+
+
+def test_same_treespec_with_other_leaf_types() -> None:
+    first = todevice.pack({"a": torch.ones(2), "b": "s"}).unpack()
+    second_tree = {"a": "s", "b": torch.arange(3)}
+    second = todevice.pack(second_tree).unpack()
+    assert first["b"] == "s" and torch.equal(first["a"], torch.ones(2))
+    helpers.assert_same_tree(second, second_tree, values=True, same=False)
+
+
+@given(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True))
+def test_dict_key_order_is_kept_whatever_the_order_before(keys: list[str]) -> None:
+    for order in (keys, keys[::-1], sorted(keys)):
+        tree = {k: torch.full((2,), float(i)) for i, k in enumerate(order)}
+        out = todevice.pack(tree).unpack()
+        assert list(out) == order
+        helpers.assert_same_tree(out, tree, values=True, same=False)
+
+
+@given(strategies.trees)
+def test_the_flat_path_and_the_walk_give_the_same_batch(tree: Any) -> None:
+    flat = todevice.pack(tree).unpack()
+    roots = _pack._FLAT_ROOTS
+    _pack._FLAT_ROOTS = frozenset()
+    try:
+        walked = todevice.pack(tree).unpack()
+    finally:
+        _pack._FLAT_ROOTS = roots
+    helpers.assert_same_tree(flat, walked, values=True, same=False)

@@ -17,8 +17,7 @@ T = TypeVar("T")
 
 _Tensor = torch.Tensor
 
-# Exact types the hot loop recognises without a cache lookup.
-_FAST_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+_FAST_ATOMS = _tree.FAST_ATOMS
 
 # Types whose .to() is known to return a new object and leave the original alone; any other
 # .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
@@ -378,7 +377,7 @@ class _Mover:
 
     def slot(self, s: Any) -> Any:
         """A skeleton's slot: the packed tensor, a new view of it for a distinct tensor over its
-        memory, or a registered container rebuilt around its moved children."""
+        memory, a registered container rebuilt around its moved children, or a whole flat skeleton."""
         if self.views is None:
             msg = f"Cannot move {s!r}: a slot only means something inside a PackedBatch's skeleton."
             raise TypeError(msg)
@@ -387,7 +386,13 @@ class _Mover:
         hit = self.memo.get(id(s))
         if hit is not None:
             return hit[1]
-        if type(s) is _tree.AliasSlot:
+        if type(s) is _tree.Flat:
+            # optree rebuilds the containers around the filled leaves, in C++.
+            if s.order is not None:
+                out = s.spec.unflatten(_pack.pick(self.views + s.leaves, s.order))
+            else:
+                out = s.spec.unflatten(self.walk(s.leaves))
+        elif type(s) is _tree.AliasSlot:
             view = self.views[s]
             out = view.view(view.shape)
         else:

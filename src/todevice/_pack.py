@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from todevice import _tree
@@ -27,6 +29,13 @@ _Tensor = torch.Tensor
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def pick(seq: Sequence[Any], indices: Sequence[int]) -> list[Any]:
+    """``[seq[i] for i in indices]``, in one C loop."""
+    if len(indices) > 1:
+        return list(operator.itemgetter(*indices)(seq))
+    return [seq[i] for i in indices]
 
 
 class Block(NamedTuple):
@@ -111,16 +120,27 @@ class _PlanCache:
         self.built = 0  # how many layouts were computed, not found: the tests read it
         self.last_count = 0  # tensors in the last layout asked for: the next batch is likely alike
         self._plans: collections.OrderedDict[Any, Layout] = collections.OrderedDict()
+        self._last: tuple[Any, Layout] | None = None  # replaced whole: threads may share it
         self._lock = threading.Lock()
 
-    def get(self, signature: tuple[tuple[torch.dtype, torch.Size], ...], cast: torch.dtype | None) -> Layout:
-        key = (signature, cast)
+    def get(self, dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast: torch.dtype | None) -> Layout:
+        # Two flat tuples hash in a third of the time of one tuple of (dtype, shape) pairs.
+        key = (dtypes, shapes, cast)
+        last = self._last
+        if last is not None and last[0] == key:  # the batch before had this layout: no hashing
+            return last[1]
+        layout = self._get(key)
+        self._last = (key, layout)
+        return layout
+
+    def _get(self, key: tuple[tuple[torch.dtype, ...], tuple[torch.Size, ...], torch.dtype | None]) -> Layout:
+        dtypes, shapes, cast = key
         with self._lock:
             layout = self._plans.get(key)
             if layout is not None:
                 self._plans.move_to_end(key)
                 return layout
-        layout = make_layout(signature, cast)
+        layout = make_layout(tuple(zip(dtypes, shapes)), cast)
         with self._lock:
             self.built += 1
             self._plans[key] = layout
@@ -167,7 +187,7 @@ def _regions(buffer: torch.Tensor, layout: Layout) -> list[tuple[Block | Ragged,
 
 def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor]) -> None:
     """Copy ``walked`` (tensors in walk order) into ``buffer``: one or two C++ calls per group."""
-    tensors = [walked[k] for k in layout.walk_order]
+    tensors = pick(walked, layout.walk_order)
     k = 0
     for g, region in _regions(buffer, layout):
         if type(g) is Ragged:
@@ -204,15 +224,19 @@ def read(
             region = region.to(final)  # one cast per group, on the receiving side
             if made is not None:
                 made.append(region)
-        if type(g) is Block:
-            # unbind() makes views that autograd forbids to modify in place (x.mul_(w) with w
-            # requiring grad), which a tensor from .to() allows; detached, they are plain tensors
-            # over the same memory.
-            views.extend([v.detach() for v in region.unbind(0)])
-        else:
-            assert type(g) is Ragged
-            views.extend(_cut(region, g))
-    return [views[i] for i in layout.order]
+        # Cut below autograd's view tracking: each tensor comes out as a plain tensor over its part
+        # of the memory, as independent as one from .to(). Views would share one version counter,
+        # so an in-place change to one tensor of the batch would fail the backward pass of any other
+        # saved for it ("modified by an inplace operation"), and unbind()'s views also refuse
+        # in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the cheaper way
+        # too: no autograd metadata, and no detach() after.
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            if type(g) is Block:
+                views.extend(region.unbind(0))
+            else:
+                assert type(g) is Ragged
+                views.extend(_cut(region, g))
+    return pick(views, layout.order)
 
 
 # ---------------------------------------------------------------- host staging
@@ -380,6 +404,155 @@ class _Skeleton:
         return slot
 
 
+_is_cpu = operator.attrgetter("is_cpu")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+_needs_grad = operator.attrgetter("requires_grad")
+_nbytes_of = operator.attrgetter("nbytes")
+
+
+class _Pattern(NamedTuple):
+    """Where a treespec's tensors were among its leaves, the last time it was seen."""
+
+    types: list[type]  # the type of each leaf
+    where: list[int]  # the places of the tensor leaves
+    atoms: list[int] | None  # the places of the other leaves, when every one is an atom
+    order: tuple[int, ...] | None  # for Flat.order: leaf k is (tensors + atoms)[order[k]]
+
+
+def _pattern(types: list[type]) -> _Pattern:
+    where = [i for i, tp in enumerate(types) if tp is _Tensor]
+    others = set(types)
+    others.discard(_Tensor)
+    if not others.issubset(_tree.FAST_ATOMS):
+        return _Pattern(types, where, None, None)
+    atoms = [i for i, tp in enumerate(types) if tp is not _Tensor]
+    order = [0] * len(types)
+    for k, i in enumerate(where):
+        order[i] = k
+    for k, i in enumerate(atoms, len(where)):
+        order[i] = k
+    return _Pattern(types, where, atoms, tuple(order))
+
+
+class _SpecEntry:
+    __slots__ = ("flat", "pattern")
+
+    def __init__(self, flat: bool) -> None:
+        self.flat = flat  # whether optree and todevice rebuild every node of the treespec alike
+        self.pattern: _Pattern | None = None  # replaced whole, never changed: threads may share it
+
+
+class _SpecCache:
+    """What is known of each treespec: whether a Flat skeleton may hold it, and its last leaf pattern.
+
+    A training loop sends batches of one structure, so both are nearly always found, for the cost
+    of hashing the treespec in C++; working out the first walks every node of the treespec in Python.
+    """
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self.checked = 0  # how many treespecs were worked out, not found: the tests read it
+        self._entries: dict[Any, _SpecEntry] = {}
+        self._generation = -1  # a registration change can change a verdict
+
+    def get(self, spec: Any) -> _SpecEntry:
+        entries = self._entries
+        if self._generation != _tree._generation[0]:
+            entries = self._entries = {}
+            self._generation = _tree._generation[0]
+        entry = entries.get(spec)
+        if entry is None:
+            types: set[type] = set()
+
+            def node(one: Any) -> Any:
+                types.add(one.type)
+                return one
+
+            spec.transform(node)
+            entry = _SpecEntry(all(map(_tree.flat_node, types)))
+            if len(entries) >= self.size:
+                entries.clear()
+            entries[spec] = entry
+            self.checked += 1
+        return entry
+
+
+specs = _SpecCache()
+# isinstance(x, torch.Tensor) as a C callable: optree asks it first, and a leaf it says yes to skips
+# optree's registry lookup, the larger part of optree's cost for a tensor leaf (measured).
+_is_tensor = functools.partial(type.__instancecheck__, _Tensor)
+_FLAT_ROOTS = frozenset({dict, list, tuple})
+
+
+def _selected(found: list[torch.Tensor], max_bytes: int | None) -> list[torch.dtype] | None:
+    """The dtypes of ``found`` when ``take`` would pack every one of them, or None: checked in bulk."""
+    try:
+        if not all(map(_is_cpu, found)):
+            return None
+        dtypes = list(map(_dtype_of, found))
+        if not _DENSE_DTYPES.issuperset(dtypes):
+            return None
+        if (
+            max_bytes is not None
+            and found
+            and (any(map(_needs_grad, found)) or max(map(_nbytes_of, found)) > max_bytes)
+        ):
+            return None
+    except RuntimeError:  # sparse tensors have no nbytes
+        return None
+    return dtypes
+
+
+def _take_flat(
+    obj: Any, max_bytes: int | None, walker: Callable[..., Any]
+) -> tuple[_tree.Flat, _Skeleton, list[torch.dtype] | None] | None:
+    """The packing walk done by ``optree.tree_flatten``, where optree's rules agree with ours; else None.
+
+    The structure comes apart in C++, and the tensors among its leaves are checked and taken in bulk.
+    Leaves optree keeps whole but todevice opens (dataclasses, dict subclasses, sets) go through
+    ``walker``. Returns the skeleton, the skeleton's record of what it took, and the dtypes of the
+    taken tensors when they were read already.
+    """
+    if type(obj) not in _FLAT_ROOTS:
+        return None
+    try:
+        # The global namespace: types registered with todevice stay leaves, for ``walker``.
+        leaves, spec = optree.tree_flatten(obj, is_leaf=_is_tensor)
+    except Exception:  # too deep, cyclic, or a flatten registered with optree that fails: the walk reports it
+        return None
+    entry = specs.get(spec)
+    if not entry.flat:
+        return None
+    types = list(map(type, leaves))
+    pattern = entry.pattern
+    if pattern is None or pattern.types != types:
+        entry.pattern = pattern = _pattern(types)
+    found = pick(leaves, pattern.where)
+    sk = _Skeleton(max_bytes)
+    dtypes = _selected(found, max_bytes)
+    if dtypes is not None and pattern.atoms is not None:  # the usual case: all leaves tensors or atoms
+        sk.tensors.extend(found)
+        return _tree.Flat(spec, pick(leaves, pattern.atoms), pattern.order), sk, dtypes
+    if dtypes is not None:
+        sk.tensors.extend(found)
+        for i, slot in zip(pattern.where, _slot_pool.at_least(len(found))):
+            leaves[i] = slot
+    else:
+        take = sk.take
+        for i in pattern.where:
+            leaves[i] = take(leaves[i])
+    if pattern.atoms is None:
+        walk = walker(sk.take)
+        atoms = _tree.FAST_ATOMS
+        for i, tp in enumerate(types):
+            if tp is not _Tensor and tp not in atoms:
+                leaves[i] = walk(leaves[i])
+        if len(sk.tensors) != len(found):
+            dtypes = None  # the walk took tensors too
+    return _tree.Flat(spec, leaves), sk, dtypes
+
+
 def take_tensors(
     obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any]
 ) -> tuple[Any, list[torch.Tensor], Layout, int]:
@@ -389,24 +562,30 @@ def take_tensors(
     no autograd. ``walker(take)`` builds the walk (in ``_move``, which owns the container rules)
     that calls ``take`` on every tensor.
     """
-    sk = _Skeleton(max_bytes, expected=plans.last_count)
-    skeleton = walker(sk.take)(obj)
+    flat = _take_flat(obj, max_bytes, walker)
+    dtypes: list[torch.dtype] | None = None
+    if flat is not None:
+        skeleton, sk, dtypes = flat
+    else:
+        sk = _Skeleton(max_bytes, expected=plans.last_count)
+        skeleton = walker(sk.take)(obj)
     tensors = sk.tensors
     try:
         # One C loop each: a repeated address means a tensor met twice or memory shared, and
         # sparse or nested tensors refuse data_ptr() or shape; the careful walk sorts those out.
-        ptrs = set(map(_Tensor.data_ptr, tensors))
-        signature = tuple([(t.dtype, t.shape) for t in tensors])
-        clean = len(ptrs) == len(tensors)
+        clean = len(set(map(_Tensor.data_ptr, tensors))) == len(tensors)
+        shapes = tuple(map(_shape_of, tensors))
     except RuntimeError:
         clean = False
     if not clean:
         sk = _Skeleton(max_bytes, careful=True)
         skeleton = walker(sk.take)(obj)
         tensors = sk.tensors
-        signature = tuple([(t.dtype, t.shape) for t in tensors])
+        shapes = tuple(map(_shape_of, tensors))
+        dtypes = None
     plans.last_count = len(tensors)
-    return skeleton, tensors, plans.get(signature, cast), len(sk.loose)
+    dtype_key = tuple(dtypes) if dtypes is not None else tuple(map(_dtype_of, tensors))
+    return skeleton, tensors, plans.get(dtype_key, shapes, cast), len(sk.loose)
 
 
 def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
@@ -453,7 +632,9 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
             raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot pack", 1)) from err
         msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
         raise ValueError(msg) from err
-    requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
+    requires_grad: tuple[int, ...] = ()
+    if any(map(_needs_grad, tensors)):
+        requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
     for k in requires_grad:
         tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
     if shared:
@@ -514,7 +695,10 @@ class PackedBatch:
         if self.loose:
             from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
-            skeleton = pin_structure(skeleton)  # type: ignore[no-untyped-call]
+            if type(skeleton) is _tree.Flat:
+                skeleton = _tree.Flat(skeleton.spec, pin_structure(skeleton.leaves))  # type: ignore[no-untyped-call]
+            else:
+                skeleton = pin_structure(skeleton)  # type: ignore[no-untyped-call]
         return PackedBatch(buffer, self.layout, skeleton, self.requires_grad, self.loose)
 
     def unpack(self, device: Any = None, *, non_blocking: bool = True) -> Any:
