@@ -486,11 +486,11 @@ def _guided(items: Any) -> tuple[tuple[Any, Guide], ...]:
 
 def _follows(obj: Any, guide: Guide) -> bool:
     """Whether ``obj`` has every node of ``guide``: same exact types, dict keys in the same order, same lengths."""
-    stack = [(obj, guide)]
+    stack: list[tuple[Any, Guide]] = [(obj, guide)]
     pop, push = stack.pop, stack.append
     while stack:
         x, (tp, shape, children) = pop()
-        if type(x) is not tp:
+        if tp is not type(x):
             return False
         if tp is dict:
             if list(x) != shape:
@@ -617,9 +617,9 @@ def _take_flat(
         entry.seen += 1
         if entry.seen > 1:  # a structure met again: worth a guide, so the next batch like it is quick
             try:
-                guide = _guide(obj)
-                if guide is not None:
-                    specs.last = (spec, entry, guide)
+                made = _guide(obj)
+                if made is not None:
+                    specs.last = (spec, entry, made)
             except (_NoGuide, RecursionError):
                 pass
     types = list(map(type, leaves))
