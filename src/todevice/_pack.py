@@ -490,15 +490,15 @@ def _follows(obj: Any, guide: Guide) -> bool:
     pop, push = stack.pop, stack.append
     while stack:
         x, (tp, shape, children) = pop()
-        if tp is not type(x):
+        if type(x) is not tp:
             return False
         if tp is dict:
-            if list(x) != shape:
+            if list(x) != shape:  # type: ignore[call-overload]  # x is a dict: type(x) is tp
                 return False
-        elif shape is not None and len(x) != shape:
+        elif shape is not None and len(x) != shape:  # type: ignore[arg-type]
             return False
         for key, sub in children:
-            push((x[key], sub))
+            push((x[key], sub))  # type: ignore[index]
     return True
 
 
