@@ -420,6 +420,12 @@ def test_unpacked_tensors_share_the_buffer_and_are_plain_tensors() -> None:
 # ---------------------------------------------------------------- the flat path (optree takes containers apart)
 
 
+@pytest.fixture
+def flat_ready() -> None:
+    """The flat path tried first, whatever structures earlier tests sent (see _SpecCache.skip)."""
+    _pack.specs.skip = _pack.specs.misses = 0
+
+
 @pytest.mark.parametrize("name", sorted(helpers.corpus()))
 def test_corpus_round_trips_through_pack_and_the_coalesced_path(name: str) -> None:
     tree = helpers.corpus()[name]
@@ -430,7 +436,7 @@ def test_corpus_round_trips_through_pack_and_the_coalesced_path(name: str) -> No
     helpers.assert_same_tree(todevice.move(tree, "meta", coalesce=True), helpers.reference_move(tree, "meta"))
 
 
-def test_a_batch_of_builtin_containers_packs_flat_and_its_treespec_is_checked_once() -> None:
+def test_a_batch_of_builtin_containers_packs_flat_and_its_treespec_is_checked_once(flat_ready: None) -> None:
     def batch() -> Any:
         return {"x": [torch.randn(2) for _ in range(3)], "y": (torch.arange(2), "s", None), "z": helpers.Point(1, 2)}
 
@@ -442,7 +448,7 @@ def test_a_batch_of_builtin_containers_packs_flat_and_its_treespec_is_checked_on
     assert _pack.specs.checked == checked
 
 
-def test_leaves_optree_keeps_whole_are_walked_by_todevice_rules() -> None:
+def test_leaves_optree_keeps_whole_are_walked_by_todevice_rules(flat_ready: None) -> None:
     t = torch.randn(3)
     tree = {"r": helpers.Record(t, [t + 1]), "d": helpers.TaggedDict("tag", {"k": t + 2}), "x": t + 3}
     packed = todevice.pack(tree)
@@ -460,7 +466,7 @@ def test_leaves_optree_keeps_whole_are_walked_by_todevice_rules() -> None:
     ],
     ids=["namedtuple-with-own-new", "allowed-nodes"],
 )
-def test_nodes_optree_would_rebuild_otherwise_keep_the_walk(tree: Any) -> None:
+def test_nodes_optree_would_rebuild_otherwise_keep_the_walk(tree: Any, flat_ready: None) -> None:
     packed = todevice.pack(tree)
     own_new = "twin" in tree
     assert (type(packed.skeleton) is _tree.Flat) is not own_new
@@ -484,7 +490,7 @@ def test_a_type_registered_with_optree_itself_keeps_the_walk() -> None:
         optree.unregister_pytree_node(Pair, namespace=everywhere)
 
 
-def test_same_treespec_with_other_leaf_types() -> None:
+def test_same_treespec_with_other_leaf_types(flat_ready: None) -> None:
     first = todevice.pack({"a": torch.ones(2), "b": "s"}).unpack()
     second_tree = {"a": "s", "b": torch.arange(3)}
     second = todevice.pack(second_tree).unpack()
@@ -494,7 +500,8 @@ def test_same_treespec_with_other_leaf_types() -> None:
 
 @given(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True))
 def test_dict_key_order_is_kept_whatever_the_order_before(keys: list[str]) -> None:
-    for order in (keys, keys[::-1], sorted(keys)):
+    for order in (keys, keys[::-1], sorted(keys), keys, keys[::-1]):
+        _pack.specs.skip = 0
         tree = {k: torch.full((2,), float(i)) for i, k in enumerate(order)}
         out = todevice.pack(tree).unpack()
         assert list(out) == order
@@ -503,6 +510,7 @@ def test_dict_key_order_is_kept_whatever_the_order_before(keys: list[str]) -> No
 
 @given(strategies.trees)
 def test_the_flat_path_and_the_walk_give_the_same_batch(tree: Any) -> None:
+    _pack.specs.skip = 0
     flat = todevice.pack(tree).unpack()
     roots = _pack._FLAT_ROOTS
     _pack._FLAT_ROOTS = frozenset()
@@ -511,3 +519,69 @@ def test_the_flat_path_and_the_walk_give_the_same_batch(tree: Any) -> None:
     finally:
         _pack._FLAT_ROOTS = roots
     helpers.assert_same_tree(flat, walked, values=True, same=False)
+
+
+def _guided_batch() -> dict[str, Any]:
+    return {"a": {"x": [torch.ones(2), torch.zeros(2)], "y": (torch.arange(2), 1)}, "b": [{"z": torch.ones(1)}]}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b["a"]["x"].append(torch.ones(2)),  # a longer list
+        lambda b: b["a"].__setitem__("y", [torch.arange(2), 1]),  # a list where a tuple was
+        lambda b: b.__setitem__("a", collections.OrderedDict(b["a"])),  # an OrderedDict where a dict was
+        lambda b: b["b"].__setitem__(0, {"z": None}),  # None where a tensor was
+        lambda b: b["b"].__setitem__(0, {"w": torch.ones(1), "z": torch.ones(1)}),  # another key
+        lambda b: b.__setitem__("a", {"y": b["a"]["y"], "x": b["a"]["x"]}),  # the same keys in another order
+        lambda b: b["b"][0].__setitem__("z", [torch.ones(1)]),  # a list where a tensor leaf was
+    ],
+    ids=[
+        "longer-list",
+        "list-for-tuple",
+        "ordereddict-for-dict",
+        "none-for-tensor",
+        "another-key",
+        "key-order",
+        "list-for-leaf",
+    ],
+)
+def test_a_batch_unlike_the_last_one_is_taken_apart_exactly(change: Any, flat_ready: None) -> None:
+    for _ in range(3):  # the structure repeats: the last treespec and its guide are kept
+        todevice.pack(_guided_batch())
+    assert _pack.specs.last is not None
+    tree = _guided_batch()
+    change(tree)
+    out = todevice.pack(tree).unpack()
+    helpers.assert_same_tree(out, helpers.reference_move(tree, "cpu"), values=True)
+    assert [type(v) for v in out.values()] == [type(v) for v in tree.values()] and list(out["a"]) == list(tree["a"])
+
+
+def test_a_mismatch_never_formats_the_batch(flat_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flatten_up_to would repr the subtree it fails on; the guide turns the batch away first."""
+    for _ in range(3):
+        todevice.pack(_guided_batch())
+    monkeypatch.setattr(torch.Tensor, "__repr__", lambda self: pytest.fail("a tensor was formatted"))
+    tree = _guided_batch()
+    tree["a"]["x"].append(torch.ones(2))
+    assert torch.equal(todevice.pack(tree).unpack()["a"]["x"][2], torch.ones(2))
+
+
+def test_structures_that_never_repeat_go_to_the_walk_for_a_while(flat_ready: None) -> None:
+    def batch(n: int) -> dict[str, Any]:
+        return {"never seen before": [torch.ones(1) for _ in range(n)]}
+
+    kinds = [type(todevice.pack(batch(n)).skeleton) for n in range(1, 30)]
+    assert kinds[:3] == [_tree.Flat] * 3  # three new treespecs in a row...
+    assert kinds[3:19] == [dict] * 16  # ...then sixteen batches walked...
+    assert kinds[19] is _tree.Flat  # ...and the flat path is tried again
+
+
+def test_a_structure_flatten_up_to_cannot_check_keeps_tree_flatten(flat_ready: None) -> None:
+    def batch() -> dict[str, Any]:
+        return {"d": collections.deque([torch.ones(1)], maxlen=3), "x": torch.ones(2)}
+
+    for _ in range(3):
+        packed = todevice.pack(batch())
+        assert type(packed.skeleton) is _tree.Flat
+        assert packed.unpack()["d"].maxlen == 3

@@ -503,12 +503,35 @@ def _follows(obj: Any, guide: Guide) -> bool:
 
 
 class _SpecEntry:
-    __slots__ = ("flat", "pattern", "seen")
+    __slots__ = ("flat", "guides", "pattern", "seen")
 
     def __init__(self, flat: bool) -> None:
         self.flat = flat  # whether optree and todevice rebuild every node of the treespec alike
         self.pattern: _Pattern | None = None  # replaced whole, never changed: threads may share it
         self.seen = 0
+        # Guides of batches with this treespec: treespecs that differ only in the order of dict
+        # keys are equal, so one entry may need several. None: the structure cannot have one.
+        self.guides: list[Guide] | None = []
+
+    def guide_for(self, obj: Any) -> Guide | None:
+        """A guide that ``obj`` follows, made the second time the treespec is met (a structure that repeats)."""
+        self.seen += 1
+        guides = self.guides
+        if guides is None or self.seen < 2:
+            return None
+        for guide in guides:
+            if _follows(obj, guide):
+                return guide
+        if len(guides) >= 4:
+            return None
+        try:
+            made = _guide(obj)
+        except (_NoGuide, RecursionError):
+            self.guides = None
+            return None
+        if made is not None:
+            self.guides = [*guides, made]  # replaced whole: threads may share the list
+        return made
 
 
 class _SpecCache:
@@ -521,6 +544,12 @@ class _SpecCache:
     def __init__(self, size: int = 256) -> None:
         self.size = size
         self.checked = 0  # how many treespecs were worked out, not found: the tests read it
+        # Structures that never repeat (a list whose length changes every batch) would pay for
+        # the flatten and for working out each treespec, then walk anyway: after a few such
+        # batches in a row, the next ones go straight to the walk, and a batch now and then
+        # tries the flat path again.
+        self.misses = 0
+        self.skip = 0
         self._entries: dict[Any, _SpecEntry] = {}
         self._generation = -1  # a registration change can change a verdict
         # The treespec of the last batch packed flat, with its guide: the next batch most likely
@@ -554,6 +583,11 @@ class _SpecCache:
                 entries.clear()
             entries[spec] = entry
             self.checked += 1
+            self.misses += 1
+            if self.misses >= 3:
+                self.skip, self.misses = 16, 0
+        else:
+            self.misses = 0
         return entry
 
 
@@ -599,13 +633,17 @@ def _take_flat(
     last = specs.last
     if last is not None and _tree._generation[0] == specs.generation:
         spec, entry, guide = last
-        try:
-            leaves = spec.flatten_up_to(obj)
-        except Exception:  # another structure (ValueError), or too deep
-            leaves = None
-        if leaves is not None and not _follows(obj, guide):
-            leaves = None
+        # The guide first: it turns another structure away at its first difference, where
+        # flatten_up_to would format the repr of the subtree it fails on.
+        if _follows(obj, guide):
+            try:
+                leaves = spec.flatten_up_to(obj)
+            except Exception:  # not expected once the guide agrees; the full flatten decides
+                leaves = None
     if leaves is None:
+        if specs.skip:
+            specs.skip -= 1
+            return None
         try:
             # The global namespace: types registered with todevice stay leaves, for ``walker``.
             leaves, spec = optree.tree_flatten(obj, is_leaf=_is_tensor)
@@ -614,14 +652,9 @@ def _take_flat(
         entry = specs.get(spec)
         if not entry.flat:
             return None
-        entry.seen += 1
-        if entry.seen > 1:  # a structure met again: worth a guide, so the next batch like it is quick
-            try:
-                made = _guide(obj)
-                if made is not None:
-                    specs.last = (spec, entry, made)
-            except (_NoGuide, RecursionError):
-                pass
+        made = entry.guide_for(obj)
+        if made is not None:
+            specs.last = (spec, entry, made)
     types = list(map(type, leaves))
     pattern = entry.pattern
     if pattern is None or pattern.types != types:
