@@ -585,3 +585,123 @@ def test_a_structure_flatten_up_to_cannot_check_keeps_tree_flatten(flat_ready: N
         packed = todevice.pack(batch())
         assert type(packed.skeleton) is _tree.Flat
         assert packed.unpack()["d"].maxlen == 3
+
+
+# ---------------------------------------------------------------- warm layouts (the last batch's, checked per block)
+
+
+def _warm_batch(shape: tuple[int, ...] = (4,)) -> dict[str, Any]:
+    return {
+        "x": [torch.randn(shape) for _ in range(6)],
+        "ids": [torch.arange(3) for _ in range(4)],
+        "one": torch.ones(5, dtype=torch.float64),  # a shape seen once: a ragged group
+        "name": "b",
+    }
+
+
+def _warmed() -> None:
+    for _ in range(3):
+        todevice.pack(_warm_batch())
+        todevice.move(_warm_batch(), "meta", coalesce=True)
+
+
+def test_a_batch_like_the_last_one_reuses_its_layout(flat_ready: None) -> None:
+    _warmed()
+    taken = _pack.take_tensors(_warm_batch(), None, None, _move._skeleton_walker)
+    assert taken.check is not None and taken.layout is taken.check.layout
+    tree = _warm_batch()
+    helpers.assert_same_tree(todevice.pack(tree).unpack(), tree, values=True, same=False)
+    helpers.assert_same_tree(todevice.move(tree, "meta", coalesce=True), helpers.reference_move(tree, "meta"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: [b["x"].__setitem__(i, torch.randn(8)) for i in range(6)],  # a whole block changes shape
+        lambda b: b["x"].__setitem__(2, torch.randn(5)),  # one tensor of a block does
+        lambda b: b["x"].__setitem__(2, torch.randn(2, 2)),  # same numel, other shape
+        lambda b: b["x"].__setitem__(0, torch.randn(4, requires_grad=True)),  # one requires grad
+        lambda b: b["x"].__setitem__(5, torch.randn(4, device="meta")),  # one is not on the host
+        lambda b: b.__setitem__("one", torch.ones(6, dtype=torch.float64)),  # the ragged one changes shape
+        lambda b: b.__setitem__("one", torch.ones(5, dtype=torch.float64, requires_grad=True)),
+        lambda b: b.__setitem__("one", torch.ones(5, dtype=torch.float64, device="meta")),
+        lambda b: b["ids"].__setitem__(1, torch.arange(3.0)),  # another dtype
+        lambda b: b["x"].__setitem__(3, torch.randn(8)[::2]),  # a strided view, same shape
+        lambda b: [b["x"].__setitem__(i, torch.randn(40000)) for i in range(6)],  # too big to coalesce
+    ],
+    ids=[
+        "block-shape",
+        "one-shape",
+        "same-numel",
+        "requires-grad",
+        "meta",
+        "ragged-shape",
+        "ragged-grad",
+        "ragged-meta",
+        "dtype",
+        "strided",
+        "too-big",
+    ],
+)
+def test_a_batch_the_warm_layout_does_not_fit_is_packed_anew(
+    change: Any, flat_ready: None, request: pytest.FixtureRequest
+) -> None:
+    _warmed()
+    tree = _warm_batch()
+    change(tree)
+    stale = _pack.stale_writes[0]
+    packed = todevice.pack(tree)
+    if request.node.callspec.id in ("block-shape", "one-shape", "same-numel", "requires-grad", "meta", "too-big"):
+        assert _pack.stale_writes[0] == stale + 1  # found by the block check in write()
+    if not _on_meta(tree):  # unpack() brings loose tensors to the host, and meta has no data to bring
+        helpers.assert_same_tree(packed.unpack(), helpers.reference_move(tree, "cpu"), values=True)
+    _warmed()
+    moved = todevice.move(tree, "meta", coalesce=True)
+    helpers.assert_same_tree(moved, helpers.reference_move(tree, "meta"))
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree["x"] + [tree["one"]]):
+        assert any(t.grad_fn is not None for t in [*moved["x"], moved["one"]])  # .to() kept autograd
+
+
+def _on_meta(tree: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_meta for _, t in _tree.walk_paths(tree))
+
+
+def test_no_warm_layout_without_grad_mode(flat_ready: None) -> None:
+    _warmed()
+    with torch.no_grad():
+        tree = _warm_batch()
+        tree["x"][1] = torch.randn(4, requires_grad=True)
+        taken = _pack.take_tensors(tree, None, None, _move._skeleton_walker)
+        assert taken.check is None  # a stacked block cannot tell requires_grad here
+        out = todevice.pack(tree).unpack()
+    assert out["x"][1].requires_grad and not out["x"][0].requires_grad
+
+
+@st.composite
+def _batch_and_a_changed_one(draw: st.DrawFn) -> tuple[Any, Any]:
+    """A batch, then one of the same structure whose tensors may differ in every way."""
+    first = draw(strategies.trees)
+
+    def vary(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and type(x) is torch.Tensor:
+            return draw(st.one_of(st.just(x.clone()), strategies.tensors(), st.just(x.to("meta"))))
+        if type(x) is dict:
+            return {k: vary(v) for k, v in x.items()}
+        if type(x) in (list, tuple):
+            return type(x)(vary(v) for v in x)
+        return x
+
+    return first, vary(first)
+
+
+@given(_batch_and_a_changed_one())
+def test_warm_layouts_never_change_a_batch(pair: tuple[Any, Any]) -> None:
+    _pack.specs.skip = 0
+    first, second = pair
+    for _ in range(3):
+        todevice.pack(first)
+        todevice.move(first, "meta", coalesce=True)
+    packed = todevice.pack(second)
+    if not _on_meta(second):
+        helpers.assert_same_tree(packed.unpack(), helpers.reference_move(second, "cpu"), values=True)
+    helpers.assert_same_tree(todevice.move(second, "meta", coalesce=True), helpers.reference_move(second, "meta"))

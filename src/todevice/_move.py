@@ -617,21 +617,27 @@ def _explain(failure: _LeafError, original: Any, where_to: str, verb: str = "mov
 def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
     """Pack the small host tensors, send them in one copy, then move the rest around their views."""
 
-    try:
-        skeleton, tensors, layout, _ = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker)
-    except RecursionError:
-        return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
-    except _LeafError as failure:
-        _explain(failure, obj, f"to {mover.dev}")
-    mover.views = _send(tensors, layout, mover) if tensors else []
-    mover.walk, mover.tensor = mover._build()
-    return _run(mover, skeleton, obj)
+    warm = True
+    while True:
+        try:
+            taken = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker, warm)
+        except RecursionError:
+            return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
+        except _LeafError as failure:
+            _explain(failure, obj, f"to {mover.dev}")
+        try:
+            mover.views = _send(taken.tensors, taken.layout, mover, taken.check) if taken.tensors else []
+        except _pack.Stale:  # the last batch's layout did not fit this one: read every tensor
+            warm = False
+            continue
+        mover.walk, mover.tensor = mover._build()
+        return _run(mover, taken.skeleton, obj)
 
 
-def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover) -> list[torch.Tensor]:
+def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover, check: Any = None) -> list[torch.Tensor]:
     """Pack ``tensors`` into pinned staging, copy it to the target once, and cut the copy into views."""
     staging = _pack.pinning.empty(layout.nbytes)
-    _pack.write(staging, layout, tensors)
+    _pack.write(staging, layout, tensors, check)
     non_blocking = mover.non_blocking and (staging.is_pinned() if mover.mps else True)
     try:
         on_device = staging.to(mover.dev, non_blocking=non_blocking)

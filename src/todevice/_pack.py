@@ -193,8 +193,21 @@ def _regions(buffer: torch.Tensor, layout: Layout) -> list[tuple[Block | Ragged,
     return out
 
 
-def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor]) -> None:
-    """Copy ``walked`` (tensors in walk order) into ``buffer``: one or two C++ calls per group."""
+class Stale(Exception):
+    """Internal: a layout reused without reading every tensor's shape did not fit the tensors."""
+
+
+stale_writes = [0]  # how many writes found their warm layout stale: the tests read it
+
+
+def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor], check: Any = None) -> None:
+    """Copy ``walked`` (tensors in walk order) into ``buffer``: one or two C++ calls per group.
+
+    With ``check`` (the ``_Warm`` layout this is), the shapes of the tensors in
+    blocks were not read: each block is stacked on its own and must come out host-resident, not
+    requiring grad and of the block's shape, or ``Stale`` is raised (``torch.stack`` refuses
+    tensors of unequal shapes by itself). It costs no more than stacking into the buffer.
+    """
     tensors = pick(walked, layout.walk_order)
     k = 0
     for g, region in _regions(buffer, layout):
@@ -206,6 +219,19 @@ def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor]) 
         assert type(g) is Block
         group = list(tensors[k : k + g.n])
         k += g.n
+        if check is not None:
+            try:
+                stacked = torch.stack(group)
+            except RuntimeError as err:  # unequal shapes, or devices
+                check.forget()
+                stale_writes[0] += 1
+                raise Stale from err
+            if stacked.shape != region.shape or not stacked.is_cpu or stacked.requires_grad:
+                check.forget()
+                stale_writes[0] += 1
+                raise Stale
+            region.copy_(stacked)
+            continue
         if region.is_contiguous():
             try:
                 torch.stack(group, out=region)
@@ -502,13 +528,56 @@ def _follows(obj: Any, guide: Guide) -> bool:
     return True
 
 
+class _Warm(NamedTuple):
+    """The layout of the last batch of a treespec whose tensor leaves were all packed.
+
+    The next batch with the same leaf pattern and the same dtypes reuses it without reading
+    every tensor's device, shape and requires_grad: ``write`` checks those per block instead.
+    """
+
+    pattern: _Pattern
+    dtypes: tuple[torch.dtype, ...]
+    layout: Layout
+    cast: torch.dtype | None
+    max_bytes: int | None
+    ragged: list[int]  # places (in walk order) of the tensors in ragged groups, checked one by one
+    shapes: tuple[torch.Size, ...]  # their shapes
+    entry: _SpecEntry
+
+    def forget(self) -> None:
+        """Drop this layout from its entry: it did not fit a batch."""
+        if self.entry.warm.get((self.cast, self.max_bytes)) is self:
+            self.entry.warm.pop((self.cast, self.max_bytes), None)
+
+
+def _warm(
+    entry: _SpecEntry,
+    pattern: _Pattern,
+    dtypes: tuple[torch.dtype, ...],
+    shapes: tuple[torch.Size, ...],
+    layout: Layout,
+    cast: torch.dtype | None,
+    max_bytes: int | None,
+) -> _Warm:
+    ragged: list[int] = []
+    k = 0
+    for g in layout.groups:
+        n = g.n if type(g) is Block else len(g.shapes)  # type: ignore[union-attr]
+        if type(g) is Ragged:
+            ragged.extend(layout.walk_order[k : k + n])
+        k += n
+    return _Warm(pattern, dtypes, layout, cast, max_bytes, ragged, tuple(shapes[i] for i in ragged), entry)
+
+
 class _SpecEntry:
-    __slots__ = ("flat", "guides", "pattern", "seen")
+    __slots__ = ("flat", "guides", "pattern", "seen", "warm")
 
     def __init__(self, flat: bool) -> None:
         self.flat = flat  # whether optree and todevice rebuild every node of the treespec alike
         self.pattern: _Pattern | None = None  # replaced whole, never changed: threads may share it
         self.seen = 0
+        # Warm layouts by (cast, max_bytes): pack() and move() keep one each.
+        self.warm: dict[tuple[torch.dtype | None, int | None], _Warm] = {}
         # Guides of batches with this treespec: treespecs that differ only in the order of dict
         # keys are equal, so one entry may need several. None: the structure cannot have one.
         self.guides: list[Guide] | None = []
@@ -617,15 +686,23 @@ def _selected(found: list[torch.Tensor], max_bytes: int | None) -> list[torch.dt
     return dtypes
 
 
+class _FlatTaken(NamedTuple):
+    skeleton: _tree.Flat
+    sk: _Skeleton
+    dtypes: tuple[torch.dtype, ...] | None  # the taken tensors' dtypes, when read already
+    entry: _SpecEntry
+    simple: bool  # every tensor leaf taken, every other leaf an atom: a warm layout may follow
+    warm: _Warm | None  # taken along it: shapes, devices and requires_grad of blocks unread
+
+
 def _take_flat(
-    obj: Any, max_bytes: int | None, walker: Callable[..., Any]
-) -> tuple[_tree.Flat, _Skeleton, list[torch.dtype] | None] | None:
+    obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any]
+) -> _FlatTaken | None:
     """The packing walk done by ``optree.tree_flatten``, where optree's rules agree with ours; else None.
 
     The structure comes apart in C++, and the tensors among its leaves are checked and taken in bulk.
     Leaves optree keeps whole but todevice opens (dataclasses, dict subclasses, sets) go through
-    ``walker``. Returns the skeleton, the skeleton's record of what it took, and the dtypes of the
-    taken tensors when they were read already.
+    ``walker``.
     """
     if type(obj) not in _FLAT_ROOTS:
         return None
@@ -661,10 +738,24 @@ def _take_flat(
         entry.pattern = pattern = _pattern(types)
     found = pick(leaves, pattern.where)
     sk = _Skeleton(max_bytes)
-    dtypes = _selected(found, max_bytes)
+    dtypes: tuple[torch.dtype, ...] | None
+    warm = entry.warm.get((cast, max_bytes))
+    if (
+        warm is not None
+        and warm.pattern is pattern
+        and torch.is_grad_enabled()  # so that a stacked block tells whether a tensor requires grad
+    ):
+        dtypes = tuple(map(_dtype_of, found))
+        if dtypes == warm.dtypes and _ragged_fit(found, warm):
+            sk.tensors.extend(found)
+            flat = _tree.Flat(spec, pick(leaves, pattern.atoms), pattern.order)  # type: ignore[arg-type]
+            return _FlatTaken(flat, sk, dtypes, entry, True, warm)
+    selected = _selected(found, max_bytes)
+    dtypes = None if selected is None else tuple(selected)
     if dtypes is not None and pattern.atoms is not None:  # the usual case: all leaves tensors or atoms
         sk.tensors.extend(found)
-        return _tree.Flat(spec, pick(leaves, pattern.atoms), pattern.order), sk, dtypes
+        simple = _tree.Flat(spec, pick(leaves, pattern.atoms), pattern.order)
+        return _FlatTaken(simple, sk, dtypes, entry, True, None)
     if dtypes is not None:
         sk.tensors.extend(found)
         for i, slot in zip(pattern.where, _slot_pool.at_least(len(found))):
@@ -683,31 +774,62 @@ def _take_flat(
                 leaves[i] = walk(leaves[i])
         if len(sk.tensors) != len(found):
             dtypes = None  # the walk took tensors too
-    return _tree.Flat(spec, leaves), sk, dtypes
+    return _FlatTaken(_tree.Flat(spec, leaves), sk, dtypes, entry, False, None)
+
+
+def _ragged_fit(found: list[torch.Tensor], warm: _Warm) -> bool:
+    """Whether the tensors a warm layout puts in ragged groups still fit them: read one by one."""
+    if not warm.ragged:
+        return True
+    ragged = pick(found, warm.ragged)
+    try:
+        return (
+            tuple(map(_shape_of, ragged)) == warm.shapes
+            and all(map(_is_cpu, ragged))
+            and not any(map(_needs_grad, ragged))
+        )
+    except RuntimeError:  # nested tensors have no shape
+        return False
+
+
+class Taken(NamedTuple):
+    """What the packing walk found: see ``take_tensors``."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]  # the packed tensors, in walk order
+    layout: Layout
+    loose: int  # tensors left in the skeleton
+    check: _Warm | None  # pass to ``write``: the layout is warm and blocks are still to be checked
 
 
 def take_tensors(
-    obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any]
-) -> tuple[Any, list[torch.Tensor], Layout, int]:
+    obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any], warm: bool = True
+) -> Taken:
     """Walk ``obj``: the skeleton, the packed tensors in walk order, their layout, and how many were not packed.
 
     Packs every plain dense CPU tensor, or with ``max_bytes`` only those up to that size that need
     no autograd. ``walker(take)`` builds the walk (in ``_move``, which owns the container rules)
-    that calls ``take`` on every tensor.
+    that calls ``take`` on every tensor. ``warm=False`` reads every tensor's metadata, after a
+    ``Stale`` write.
     """
-    flat = _take_flat(obj, max_bytes, walker)
-    dtypes: list[torch.dtype] | None = None
+    flat = _take_flat(obj, max_bytes, cast, walker)
+    dtypes: tuple[torch.dtype, ...] | None = None
     if flat is not None:
-        skeleton, sk, dtypes = flat
+        skeleton, sk, dtypes = flat.skeleton, flat.sk, flat.dtypes
+        if not warm and flat.warm is not None:
+            flat.warm.forget()
     else:
         sk = _Skeleton(max_bytes, expected=plans.last_count)
         skeleton = walker(sk.take)(obj)
     tensors = sk.tensors
     try:
-        # One C loop each: a repeated address means a tensor met twice or memory shared, and
-        # sparse or nested tensors refuse data_ptr() or shape; the careful walk sorts those out.
+        # A repeated address means a tensor met twice or memory shared, which the careful walk
+        # sorts out; so does a sparse tensor, which has no data_ptr().
         clean = len(set(map(_Tensor.data_ptr, tensors))) == len(tensors)
-        shapes = tuple(map(_shape_of, tensors))
+        if clean and flat is not None and flat.warm is not None and warm:
+            plans.last_count = len(tensors)
+            return Taken(skeleton, tensors, flat.warm.layout, 0, flat.warm)
+        shapes = tuple(map(_shape_of, tensors))  # nested tensors have no shape
     except RuntimeError:
         clean = False
     if not clean:
@@ -717,8 +839,14 @@ def take_tensors(
         shapes = tuple(map(_shape_of, tensors))
         dtypes = None
     plans.last_count = len(tensors)
-    dtype_key = tuple(dtypes) if dtypes is not None else tuple(map(_dtype_of, tensors))
-    return skeleton, tensors, plans.get(dtype_key, shapes, cast), len(sk.loose)
+    if dtypes is None:
+        dtypes = tuple(map(_dtype_of, tensors))
+    layout = plans.get(dtypes, shapes, cast)
+    if clean and flat is not None and flat.simple:
+        pattern = flat.entry.pattern
+        assert pattern is not None
+        flat.entry.warm[cast, max_bytes] = _warm(flat.entry, pattern, dtypes, shapes, layout, cast, max_bytes)
+    return Taken(skeleton, tensors, layout, len(sk.loose), None)
 
 
 def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
@@ -753,32 +881,39 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
     """
     from todevice import _move  # the walk and its container rules live there; imported late, one way
 
-    try:
-        skeleton, tensors, layout, loose = take_tensors(obj, None, None, _move._skeleton_walker)
-    except _move._LeafError as failure:
-        _move._explain(failure, obj, "", verb="pack")
-    except RecursionError as err:
+    warm = True
+    while True:
         try:
-            for _ in _tree.walk_paths(obj):
-                pass
-        except _tree.CycleError as cycle:
-            raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot pack", 1)) from err
-        msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
-        raise ValueError(msg) from err
-    requires_grad: tuple[int, ...] = ()
-    if any(map(_needs_grad, tensors)):
-        requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
-    for k in requires_grad:
-        tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
-    if shared:
-        # In a DataLoader worker: straight into shared memory, so that sending it to the main
-        # process copies nothing (as default_collate does for each of its tensors).
-        storage = torch.UntypedStorage._new_shared(layout.nbytes)  # type: ignore[no-untyped-call]
-        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
-    else:
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
-    write(buffer, layout, tensors)
-    return PackedBatch(buffer, layout, skeleton, requires_grad, loose)
+            taken = take_tensors(obj, None, None, _move._skeleton_walker, warm)
+        except _move._LeafError as failure:
+            _move._explain(failure, obj, "", verb="pack")
+        except RecursionError as err:
+            try:
+                for _ in _tree.walk_paths(obj):
+                    pass
+            except _tree.CycleError as cycle:
+                raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot pack", 1)) from err
+            msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
+            raise ValueError(msg) from err
+        tensors, layout = taken.tensors, taken.layout
+        requires_grad: tuple[int, ...] = ()
+        if taken.check is None and any(map(_needs_grad, tensors)):  # a warm layout has none: write checks
+            requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
+        for k in requires_grad:
+            tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
+        if shared:
+            # In a DataLoader worker: straight into shared memory, so that sending it to the main
+            # process copies nothing (as default_collate does for each of its tensors).
+            storage = torch.UntypedStorage._new_shared(layout.nbytes)  # type: ignore[no-untyped-call]
+            buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        else:
+            buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        try:
+            write(buffer, layout, tensors, taken.check)
+        except Stale:  # the last batch's layout did not fit this one: read every tensor
+            warm = False
+            continue
+        return PackedBatch(buffer, layout, taken.skeleton, requires_grad, taken.loose)
 
 
 class PackedBatch:
