@@ -705,3 +705,27 @@ def test_warm_layouts_never_change_a_batch(pair: tuple[Any, Any]) -> None:
     if not _on_meta(second):
         helpers.assert_same_tree(packed.unpack(), helpers.reference_move(second, "cpu"), values=True)
     helpers.assert_same_tree(todevice.move(second, "meta", coalesce=True), helpers.reference_move(second, "meta"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b.__setitem__(3, torch.randn(4095)),
+        lambda b: b.__setitem__(3, torch.randn(4096, requires_grad=True)),
+        lambda b: b.__setitem__(3, torch.randn(4096, device="meta")),
+        lambda b: [b.__setitem__(i, torch.randn(2, 2048)) for i in range(8)],
+    ],
+    ids=["one-shape", "requires-grad", "meta", "block-shape"],
+)
+def test_a_large_warm_block_is_checked_tensor_by_tensor(change: Any, flat_ready: None) -> None:
+    def batch() -> list[torch.Tensor]:
+        return [torch.randn(4096) for _ in range(8)]  # 128 KiB: above _STACK_TO_CHECK
+
+    for _ in range(3):
+        todevice.move(batch(), "meta", coalesce=True, coalesce_max_bytes=1 << 20)
+    tree = batch()
+    change(tree)
+    stale = _pack.stale_writes[0]
+    moved = todevice.move(tree, "meta", coalesce=True, coalesce_max_bytes=1 << 20)
+    assert _pack.stale_writes[0] == stale + 1
+    helpers.assert_same_tree(moved, helpers.reference_move(tree, "meta"))

@@ -15,7 +15,7 @@ import functools
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import optree
 import torch
@@ -198,6 +198,15 @@ class Stale(Exception):
 
 
 stale_writes = [0]  # how many writes found their warm layout stale: the tests read it
+# A warm block up to this size is checked by stacking it on its own (one extra copy of its bytes);
+# a larger one by reading each of its tensors.
+_STACK_TO_CHECK = 64 * 1024
+
+
+def _stale(check: _Warm) -> NoReturn:
+    check.forget()
+    stale_writes[0] += 1
+    raise Stale
 
 
 def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor], check: Any = None) -> None:
@@ -220,18 +229,20 @@ def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor], 
         group = list(tensors[k : k + g.n])
         k += g.n
         if check is not None:
-            try:
-                stacked = torch.stack(group)
-            except RuntimeError as err:  # unequal shapes, or devices
-                check.forget()
-                stale_writes[0] += 1
-                raise Stale from err
-            if stacked.shape != region.shape or not stacked.is_cpu or stacked.requires_grad:
-                check.forget()
-                stale_writes[0] += 1
-                raise Stale
-            region.copy_(stacked)
-            continue
+            if g.n * g.padded * g.dtype.itemsize > _STACK_TO_CHECK:
+                # A large block holds few tensors for its bytes: read each, rather than copy it twice.
+                shape = g.shape
+                if any(t.shape != shape or not t.is_cpu or t.requires_grad for t in group):
+                    _stale(check)
+            else:
+                try:
+                    stacked = torch.stack(group)
+                except RuntimeError:  # unequal shapes, or devices
+                    _stale(check)
+                if stacked.shape != region.shape or not stacked.is_cpu or stacked.requires_grad:
+                    _stale(check)
+                region.copy_(stacked)
+                continue
         if region.is_contiguous():
             try:
                 torch.stack(group, out=region)
