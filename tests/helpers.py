@@ -25,6 +25,20 @@ class Twin(Point):
         return (self.x,)
 
 
+class Pair(Point):
+    """A namedtuple subclass whose constructor takes one pair, with a matching _make: Pair((x, y))."""
+
+    def __new__(cls, both: Any) -> Pair:  # type: ignore[misc]
+        return super().__new__(cls, *both)
+
+    @classmethod
+    def _make(cls, iterable: Any) -> Pair:  # type: ignore[override]
+        return tuple.__new__(cls, iterable)  # type: ignore[type-var]
+
+    def __getnewargs__(self) -> tuple[Any]:  # type: ignore[override]
+        return (tuple(self),)
+
+
 @dataclasses.dataclass
 class Record:
     a: Any
@@ -284,6 +298,7 @@ def corpus() -> dict[str, Any]:
         "module-inside": {"m": torch.nn.Linear(2, 2), "x": t},
         "tuple-of-tuples": ((t,), ((t + 1,),)),
         "namedtuple-own-new": {"twin": Twin(t)},
+        "namedtuple-own-new-and-make": {"pair": Pair((t, t + 1))},
         "structseq": {"max": torch.max(t, 1)},
         "dict-of-objects": {"r": Record(t), "s": {t}, "l": TaggedList("tag", [t]), "n": None, "x": [t.t(), 1]},
         "empty-tensors": {"a": torch.empty(0), "b": torch.empty(0, 2)},

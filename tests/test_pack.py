@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import enum
 import os
 import pickle
 import subprocess
 import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import pytest
@@ -729,3 +731,65 @@ def test_a_large_warm_block_is_checked_tensor_by_tensor(change: Any, flat_ready:
     moved = todevice.move(tree, "meta", coalesce=True, coalesce_max_bytes=1 << 20)
     assert _pack.stale_writes[0] == stale + 1
     helpers.assert_same_tree(moved, helpers.reference_move(tree, "meta"))
+
+
+# ---------------------------------------------------------------- found in review (flat path, guides, warm layouts)
+
+
+class _StrKey(str, enum.Enum):
+    A = "a"
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [("a", _StrKey.A), (1, True), (1, 1.0), (0, False), (True, 1)],
+    ids=["str-then-str-enum", "int-then-bool", "int-then-float", "int-then-false", "bool-then-int"],
+)
+def test_dict_keys_come_back_as_the_batch_s_own_type(first: Any, then: Any, flat_ready: None) -> None:
+    """Equal keys of another type give equal treespecs; the batch must keep its own keys."""
+    for _ in range(3):
+        todevice.pack({first: torch.ones(2), "b": torch.zeros(2)})
+        todevice.move({first: torch.ones(2), "b": torch.zeros(2)}, "meta", coalesce=True)
+    tree = {then: torch.ones(2), "b": torch.zeros(2)}
+    for out in (todevice.pack(tree).unpack(), todevice.move(tree, "meta", coalesce=True)):
+        assert [type(k) for k in out] == [type(then), str]
+
+
+def test_a_retry_after_a_stale_write_reads_every_tensor(flat_ready: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if another thread put the warm layout back between the stale write and the retry."""
+    _warmed()
+    monkeypatch.setattr(_pack._Warm, "forget", lambda self: None)
+    tree = _warm_batch()
+    tree["x"][0] = torch.randn(4, requires_grad=True)
+    out = todevice.move(tree, "meta", coalesce=True)
+    assert out["x"][0].requires_grad and out["x"][0].grad_fn is not None
+    assert todevice.pack(tree).unpack()["x"][0].requires_grad
+
+
+def test_errors_while_unpacking_a_flat_skeleton_name_the_path() -> None:
+    class Boxed:
+        def to(self, device: Any, non_blocking: bool = False) -> Any:
+            raise ValueError(f"Boxed cannot go to {device}")
+
+    packed = todevice.pack({"x": torch.ones(2), "meta": [1, Boxed()]})
+    with pytest.raises(ValueError, match=r"Cannot move \['meta'\]\[1\] \(.*Boxed\) to meta: Boxed cannot go"):
+        packed.unpack("meta")
+
+
+def test_a_namedtuple_registered_with_optree_itself_keeps_the_walk() -> None:
+    class Sample(NamedTuple):
+        x: torch.Tensor
+        mask: torch.Tensor
+
+    everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # optree warns that it overrides its namedtuple rule
+        optree.register_pytree_node(
+            Sample, lambda s: ((s.x,), s.mask), lambda mask, ch: Sample(ch[0], mask), namespace=everywhere
+        )
+    try:
+        for _ in range(3):
+            out = todevice.move({"s": Sample(torch.ones(2), torch.zeros(2))}, "meta", coalesce=True)
+            assert out["s"].x.device == META and out["s"].mask.device == META
+    finally:
+        optree.unregister_pytree_node(Sample, namespace=everywhere)

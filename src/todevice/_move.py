@@ -609,6 +609,9 @@ def _run(mover: _Mover, tree: Any, original: Any) -> Any:
 def _explain(failure: _LeafError, original: Any, where_to: str, verb: str = "move") -> NoReturn:
     """Raise a leaf's error again, with the leaf's path inside ``original`` in the message."""
     leaf, cause = failure.leaf, failure.err
+    if type(original) is _tree.Flat and original.order is None:
+        # A PackedBatch's flat skeleton: its structure, put together again, is where the path is.
+        original = original.spec.unflatten(original.leaves)
     where = _tree.format_path(_tree.find_path(original, leaf) or "")
     target = f" {where_to}" if where_to else ""
     _raise_with_path(cause, f"Cannot {verb} {where} ({_describe(leaf)}){target}: {cause}")

@@ -11,6 +11,7 @@ their vectorised loads, and the buffer holds the data plus that padding and noth
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import operator
 import threading
@@ -252,6 +253,13 @@ def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor], 
         region.copy_(torch.stack(group))  # padded rows, or a cast: stack, then one strided copy
 
 
+# A private guard of PyTorch's, there since 1.9 and used by its own functorch: a PyTorch without it
+# gets autograd views, as detached unbind() gave before (one version counter for the batch).
+_below_autograd_views: Callable[[], Any] = getattr(
+    torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext
+)
+
+
 def read(
     buffer: torch.Tensor, layout: Layout, cast: torch.dtype | None = None, made: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
@@ -275,7 +283,7 @@ def read(
         # saved for it ("modified by an inplace operation"), and unbind()'s views also refuse
         # in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the cheaper way
         # too: no autograd metadata, and no detach() after.
-        with torch._C._AutoDispatchBelowADInplaceOrView():
+        with _below_autograd_views():
             if type(g) is Block:
                 views.extend(region.unbind(0))
             else:
@@ -485,8 +493,10 @@ class _NoGuide(Exception):
 
 
 _UNGUIDED = frozenset({collections.OrderedDict, collections.defaultdict, collections.deque})
+_GUIDED_KEYS = frozenset({str, int, bytes})
 _NoneType = type(None)
-# (exact type, keys in order for a dict or length otherwise, [(key or index, guide) of each child node])
+# (exact type, (keys in order, their exact types) for a dict or its length otherwise,
+#  [(key or index, guide) of each child node])
 Guide = tuple[type, Any, tuple[tuple[Any, Any], ...]]
 
 
@@ -502,14 +512,25 @@ def _guide(x: Any) -> Guide | None:
     """
     tp = type(x)
     if tp is dict:
-        return (tp, list(x), _guided(x.items()))
-    if tp is list or tp is tuple or (isinstance(x, tuple) and _tree.flat_node(tp)):
+        keys = list(x)
+        key_types = list(map(type, keys))
+        # The treespec's own keys come back, not the batch's: equal is not enough (1 == True ==
+        # 1.0, and an Enum may equal a str), so only keys whose equality says all are guided.
+        if not _GUIDED_KEYS.issuperset(key_types):
+            raise _NoGuide
+        return (tp, (keys, key_types), _guided(x.items()))
+    if tp is list or tp is tuple or (isinstance(x, tuple) and _tuple_node(tp)):
         return (tp, len(x), _guided(enumerate(x)))
     if tp is _NoneType:
         return (tp, None, ())
     if tp in _UNGUIDED:
         raise _NoGuide
     return None
+
+
+def _tuple_node(tp: type) -> bool:
+    """Whether optree opens a tuple subclass (a namedtuple or a structseq), not keep it as a leaf (torch.Size)."""
+    return bool(optree.is_namedtuple_class(tp) or optree.is_structseq_class(tp))
 
 
 def _guided(items: Any) -> tuple[tuple[Any, Guide], ...]:
@@ -530,7 +551,8 @@ def _follows(obj: Any, guide: Guide) -> bool:
         if type(x) is not tp:
             return False
         if tp is dict:
-            if list(x) != shape:  # type: ignore[call-overload]  # x is a dict: type(x) is tp
+            keys, key_types = shape
+            if list(x) != keys or list(map(type, x)) != key_types:  # type: ignore[call-overload]
                 return False
         elif shape is not None and len(x) != shape:  # type: ignore[arg-type]
             return False
@@ -651,14 +673,14 @@ class _SpecCache:
             self._generation = _tree._generation[0]
         entry = entries.get(spec)
         if entry is None:
-            types: set[type] = set()
+            nodes: set[tuple[type, Any]] = set()
 
             def node(one: Any) -> Any:
-                types.add(one.type)
+                nodes.add((one.type, one.kind))
                 return one
 
             spec.transform(node)
-            entry = _SpecEntry(all(map(_tree.flat_node, types)))
+            entry = _SpecEntry(all(_tree.flat_node(tp, kind) for tp, kind in nodes))
             if len(entries) >= self.size:
                 entries.clear()
             entries[spec] = entry
@@ -707,7 +729,7 @@ class _FlatTaken(NamedTuple):
 
 
 def _take_flat(
-    obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any]
+    obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any], use_warm: bool = True
 ) -> _FlatTaken | None:
     """The packing walk done by ``optree.tree_flatten``, where optree's rules agree with ours; else None.
 
@@ -737,7 +759,10 @@ def _take_flat(
             leaves, spec = optree.tree_flatten(obj, is_leaf=_is_tensor)
         except Exception:  # too deep, cyclic, or a flatten registered with optree that fails: the walk reports it
             return None
-        entry = specs.get(spec)
+        try:
+            entry = specs.get(spec)
+        except Exception:  # a treespec whose aux data cannot be compared (a tensor in it)
+            return None
         if not entry.flat:
             return None
         made = entry.guide_for(obj)
@@ -752,7 +777,8 @@ def _take_flat(
     dtypes: tuple[torch.dtype, ...] | None
     warm = entry.warm.get((cast, max_bytes))
     if (
-        warm is not None
+        use_warm
+        and warm is not None
         and warm.pattern is pattern
         and torch.is_grad_enabled()  # so that a stacked block tells whether a tensor requires grad
     ):
@@ -823,12 +849,10 @@ def take_tensors(
     that calls ``take`` on every tensor. ``warm=False`` reads every tensor's metadata, after a
     ``Stale`` write.
     """
-    flat = _take_flat(obj, max_bytes, cast, walker)
+    flat = _take_flat(obj, max_bytes, cast, walker, warm)
     dtypes: tuple[torch.dtype, ...] | None = None
     if flat is not None:
         skeleton, sk, dtypes = flat.skeleton, flat.sk, flat.dtypes
-        if not warm and flat.warm is not None:
-            flat.warm.forget()
     else:
         sk = _Skeleton(max_bytes, expected=plans.last_count)
         skeleton = walker(sk.take)(obj)

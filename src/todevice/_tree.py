@@ -494,29 +494,31 @@ _FLAT_BUILTINS: frozenset[type] = frozenset(
 )
 
 
-def flat_node(tp: type) -> bool:
-    """Whether optree takes a ``tp`` node apart and rebuilds it exactly as todevice's rules do.
+def flat_node(tp: type, kind: optree.PyTreeKind) -> bool:
+    """Whether optree takes a ``tp`` node (of optree's ``kind``) apart and rebuilds it exactly as todevice does.
 
     A ``Flat`` skeleton may hold only such nodes. It is flattened in optree's global namespace, so a
-    type registered with todevice is a leaf there, walked by todevice's rules; one that optree opens
-    anyway was registered with optree itself, maybe otherwise. optree rebuilds a namedtuple with
-    ``tp(*children)`` and todevice with ``tp._make(children)``: the same, unless a subclass defines
-    its own ``__new__`` or ``__init__``. A namedtuple with a ``.to()`` is an object to todevice.
+    type registered with todevice is a leaf there, walked by todevice's rules; a node optree opens as
+    a custom one was registered with optree itself, maybe otherwise. optree rebuilds a namedtuple
+    with ``tp(*children)`` and todevice with ``tp._make(children)``: the same for the class that
+    ``namedtuple()`` made, not for a subclass with its own ``__new__``, ``__init__`` or ``_make``.
+    A namedtuple with a ``.to()`` is an object to todevice.
     """
-    if tp in _registry:
+    if kind == optree.PyTreeKind.CUSTOM or tp in _registry:
         return False
     if tp in _FLAT_BUILTINS:
         return True
     unflatten = kind_of(tp).unflatten
-    if unflatten is _structseq_unflatten:
-        return True
-    if unflatten is not _namedtuple_unflatten:
+    if kind == optree.PyTreeKind.STRUCTSEQUENCE:
+        return unflatten is _structseq_unflatten
+    if kind != optree.PyTreeKind.NAMEDTUPLE or unflatten is not _namedtuple_unflatten:
         return False
     for klass in tp.__mro__:
         if klass is tuple:
             break
         own = vars(klass)
-        if "__init__" in own or ("__new__" in own and "_make" not in own):
+        made_by_namedtuple = klass.__bases__ == (tuple,) and "_fields" in own
+        if not made_by_namedtuple and ("__new__" in own or "__init__" in own or "_make" in own):
             return False
     return True
 
