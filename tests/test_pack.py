@@ -425,7 +425,8 @@ def test_unpacked_tensors_share_the_buffer_and_are_plain_tensors() -> None:
 @pytest.fixture
 def flat_ready() -> None:
     """The flat path tried first, whatever structures earlier tests sent (see _SpecCache.skip)."""
-    _pack.specs.skip = _pack.specs.misses = 0
+    _pack.packing.skip = _pack.packing.misses = 0
+    _pack.moving.skip = _pack.moving.misses = 0
 
 
 @pytest.mark.parametrize("name", sorted(helpers.corpus()))
@@ -503,7 +504,7 @@ def test_same_treespec_with_other_leaf_types(flat_ready: None) -> None:
 @given(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True))
 def test_dict_key_order_is_kept_whatever_the_order_before(keys: list[str]) -> None:
     for order in (keys, keys[::-1], sorted(keys), keys, keys[::-1]):
-        _pack.specs.skip = 0
+        _pack.packing.skip = 0
         tree = {k: torch.full((2,), float(i)) for i, k in enumerate(order)}
         out = todevice.pack(tree).unpack()
         assert list(out) == order
@@ -512,7 +513,7 @@ def test_dict_key_order_is_kept_whatever_the_order_before(keys: list[str]) -> No
 
 @given(strategies.trees)
 def test_the_flat_path_and_the_walk_give_the_same_batch(tree: Any) -> None:
-    _pack.specs.skip = 0
+    _pack.packing.skip = 0
     flat = todevice.pack(tree).unpack()
     roots = _pack._FLAT_ROOTS
     _pack._FLAT_ROOTS = frozenset()
@@ -551,7 +552,7 @@ def _guided_batch() -> dict[str, Any]:
 def test_a_batch_unlike_the_last_one_is_taken_apart_exactly(change: Any, flat_ready: None) -> None:
     for _ in range(3):  # the structure repeats: the last treespec and its guide are kept
         todevice.pack(_guided_batch())
-    assert _pack.specs.last is not None
+    assert _pack.packing.last is not None
     tree = _guided_batch()
     change(tree)
     out = todevice.pack(tree).unpack()
@@ -698,7 +699,7 @@ def _batch_and_a_changed_one(draw: st.DrawFn) -> tuple[Any, Any]:
 
 @given(_batch_and_a_changed_one())
 def test_warm_layouts_never_change_a_batch(pair: tuple[Any, Any]) -> None:
-    _pack.specs.skip = 0
+    _pack.packing.skip = 0
     first, second = pair
     for _ in range(3):
         todevice.pack(first)

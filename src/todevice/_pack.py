@@ -637,63 +637,65 @@ class _SpecEntry:
 
 
 class _SpecCache:
-    """What is known of each treespec: whether a Flat skeleton may hold it, and its last leaf pattern.
+    """What is known of each treespec: whether a Flat skeleton may hold it, its guides, patterns and layouts.
 
-    A training loop sends batches of one structure, so both are nearly always found, for the cost
-    of hashing the treespec in C++; working out the first walks every node of the treespec in Python.
+    A training loop sends batches of one structure, so the entry is nearly always found, for the cost
+    of hashing the treespec in C++; working out a new one walks every node of the treespec in Python.
     """
 
     def __init__(self, size: int = 256) -> None:
         self.size = size
         self.checked = 0  # how many treespecs were worked out, not found: the tests read it
-        # Structures that never repeat (a list whose length changes every batch) would pay for
-        # the flatten and for working out each treespec, then walk anyway: after a few such
-        # batches in a row, the next ones go straight to the walk, and a batch now and then
-        # tries the flat path again.
-        self.misses = 0
-        self.skip = 0
         self._entries: dict[Any, _SpecEntry] = {}
         self._generation = -1  # a registration change can change a verdict
-        # The treespec of the last batch packed flat, with its guide: the next batch most likely
-        # has it too, and spec.flatten_up_to(batch) takes a batch apart along a known treespec
-        # ~8x faster than tree_flatten, which looks every leaf's type up in optree's registry.
-        # The guide is the batch's own: treespecs that differ only in the order of dict keys are
-        # equal, and share an entry.
-        self.last: tuple[Any, _SpecEntry, Guide] | None = None
 
-    @property
-    def generation(self) -> int:
-        return self._generation
-
-    def get(self, spec: Any) -> _SpecEntry:
+    def get(self, spec: Any) -> tuple[_SpecEntry, bool]:
+        """The entry of ``spec``, and whether it is new."""
         entries = self._entries
         if self._generation != _tree._generation[0]:
             entries = self._entries = {}
-            self.last = None
             self._generation = _tree._generation[0]
         entry = entries.get(spec)
-        if entry is None:
-            nodes: set[tuple[type, Any]] = set()
+        if entry is not None:
+            return entry, False
+        nodes: set[tuple[type, Any]] = set()
 
-            def node(one: Any) -> Any:
-                nodes.add((one.type, one.kind))
-                return one
+        def node(one: Any) -> Any:
+            nodes.add((one.type, one.kind))
+            return one
 
-            spec.transform(node)
-            entry = _SpecEntry(all(_tree.flat_node(tp, kind) for tp, kind in nodes))
-            if len(entries) >= self.size:
-                entries.clear()
-            entries[spec] = entry
-            self.checked += 1
-            self.misses += 1
-            if self.misses >= 3:
-                self.skip, self.misses = 16, 0
-        else:
-            self.misses = 0
-        return entry
+        spec.transform(node)
+        entry = _SpecEntry(all(_tree.flat_node(tp, kind) for tp, kind in nodes))
+        if len(entries) >= self.size:
+            entries.clear()
+        entries[spec] = entry
+        self.checked += 1
+        return entry, True
+
+
+class _Lane:
+    """One caller's recent structures: ``pack()`` and the coalesced path share one, plain ``move()`` has its own.
+
+    ``last`` is the treespec of the last batch taken flat, with its guide: the next batch most likely
+    has it too, and ``spec.flatten_up_to(batch)`` takes a batch apart along a known treespec ~8x
+    faster than ``tree_flatten``, which looks every leaf's type up in optree's registry. The guide is
+    the batch's own: treespecs that differ only in the order of dict keys are equal, and share an
+    entry. Structures that never repeat (a list whose length changes every batch) would pay for the
+    flatten and for working out each treespec: after 3 new treespecs in a row, the next 16 batches
+    go straight to the walk, and then the flat path is tried again.
+    """
+
+    __slots__ = ("last", "misses", "skip")
+
+    def __init__(self) -> None:
+        self.last: tuple[Any, _SpecEntry, Guide, int] | None = None  # (spec, entry, guide, generation)
+        self.misses = 0
+        self.skip = 0
 
 
 specs = _SpecCache()
+packing = _Lane()
+moving = _Lane()
 # isinstance(x, torch.Tensor) as a C callable: optree asks it first, and a leaf it says yes to skips
 # optree's registry lookup, the larger part of optree's cost for a tensor leaf (measured).
 _is_tensor = functools.partial(type.__instancecheck__, _Tensor)
@@ -728,6 +730,52 @@ class _FlatTaken(NamedTuple):
     warm: _Warm | None  # taken along it: shapes, devices and requires_grad of blocks unread
 
 
+def flat_leaves(obj: Any, lane: _Lane) -> tuple[Any, _SpecEntry, list[Any], _Pattern] | None:
+    """``obj`` taken apart by optree, where optree's rules agree with todevice's: treespec, entry, leaves, pattern.
+
+    None where they may not agree, or where the lane is skipping: the walk takes over.
+    """
+    if type(obj) not in _FLAT_ROOTS:
+        return None
+    leaves: list[Any] | None = None
+    last = lane.last
+    if last is not None and last[3] == _tree._generation[0]:
+        spec, entry, guide, _ = last
+        # The guide first: it turns another structure away at its first difference, where
+        # flatten_up_to would format the repr of the subtree it fails on.
+        if _follows(obj, guide):
+            try:
+                leaves = spec.flatten_up_to(obj)
+            except Exception:  # not expected once the guide agrees; the full flatten decides
+                leaves = None
+    if leaves is None:
+        if lane.skip:
+            lane.skip -= 1
+            return None
+        try:
+            # The global namespace: types registered with todevice stay leaves, for the walk.
+            leaves, spec = optree.tree_flatten(obj, is_leaf=_is_tensor)
+            entry, new = specs.get(spec)
+        except Exception:  # too deep, cyclic, a failing flatten, or aux data that cannot be compared
+            return None
+        if new:
+            lane.misses += 1
+            if lane.misses >= 3:
+                lane.skip, lane.misses = 16, 0
+        else:
+            lane.misses = 0
+        if not entry.flat:
+            return None
+        made = entry.guide_for(obj)
+        if made is not None:
+            lane.last = (spec, entry, made, _tree._generation[0])
+    types = list(map(type, leaves))
+    pattern = entry.pattern
+    if pattern is None or pattern.types != types:
+        entry.pattern = pattern = _pattern(types)
+    return spec, entry, leaves, pattern
+
+
 def _take_flat(
     obj: Any, max_bytes: int | None, cast: torch.dtype | None, walker: Callable[..., Any], use_warm: bool = True
 ) -> _FlatTaken | None:
@@ -737,41 +785,11 @@ def _take_flat(
     Leaves optree keeps whole but todevice opens (dataclasses, dict subclasses, sets) go through
     ``walker``.
     """
-    if type(obj) not in _FLAT_ROOTS:
+    got = flat_leaves(obj, packing)
+    if got is None:
         return None
-    leaves: list[Any] | None = None
-    last = specs.last
-    if last is not None and _tree._generation[0] == specs.generation:
-        spec, entry, guide = last
-        # The guide first: it turns another structure away at its first difference, where
-        # flatten_up_to would format the repr of the subtree it fails on.
-        if _follows(obj, guide):
-            try:
-                leaves = spec.flatten_up_to(obj)
-            except Exception:  # not expected once the guide agrees; the full flatten decides
-                leaves = None
-    if leaves is None:
-        if specs.skip:
-            specs.skip -= 1
-            return None
-        try:
-            # The global namespace: types registered with todevice stay leaves, for ``walker``.
-            leaves, spec = optree.tree_flatten(obj, is_leaf=_is_tensor)
-        except Exception:  # too deep, cyclic, or a flatten registered with optree that fails: the walk reports it
-            return None
-        try:
-            entry = specs.get(spec)
-        except Exception:  # a treespec whose aux data cannot be compared (a tensor in it)
-            return None
-        if not entry.flat:
-            return None
-        made = entry.guide_for(obj)
-        if made is not None:
-            specs.last = (spec, entry, made)
-    types = list(map(type, leaves))
-    pattern = entry.pattern
-    if pattern is None or pattern.types != types:
-        entry.pattern = pattern = _pattern(types)
+    spec, entry, leaves, pattern = got
+    types = pattern.types
     found = pick(leaves, pattern.where)
     sk = _Skeleton(max_bytes)
     dtypes: tuple[torch.dtype, ...] | None
