@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
@@ -804,3 +805,79 @@ def test_error_whose_type_wants_other_arguments_is_raised_as_it_is() -> None:
         todevice.move({"b": Breaks()}, "meta")
     assert info.value.args == (7, "odd")
     assert info.value.__cause__ is not info.value
+
+
+# ---------------------------------------------------------------- the flat path (optree takes the batch apart)
+
+
+@pytest.fixture
+def flat_move() -> Any:
+    """Every move() of the test tries the flat path first (see _pack._Lane)."""
+    from todevice import _pack
+
+    def ready() -> None:
+        _pack.moving.skip = _pack.moving.misses = 0
+        _pack.moving.in_place = False
+
+    ready()
+    return ready
+
+
+@given(strategies.trees, st.sampled_from([None, torch.float16, torch.float64]), st.sampled_from(["meta", "cpu"]))
+def test_the_flat_path_matches_the_reference(tree: Any, dtype: torch.dtype | None, device: str) -> None:
+    from todevice import _pack
+
+    for _ in range(3):  # new treespec, guide made, guide used
+        _pack.moving.skip = 0
+        _pack.moving.in_place = False
+        out = todevice.move(tree, device, dtype=dtype)
+        helpers.assert_same_tree(out, helpers.reference_move(tree, device, dtype), values=device == "cpu")
+
+
+def test_the_flat_path_is_taken(flat_move: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bool] = []
+    real = _move._flat_move
+    monkeypatch.setattr(_move, "_flat_move", lambda m, o: calls.append(True) or real(m, o))
+    tree = {"x": [torch.ones(2) for _ in range(3)], "y": (torch.arange(2), "s")}
+    out = todevice.move(tree, "meta")
+    assert calls and out["x"][0].device == META and out["y"][1] == "s"
+
+
+def test_a_tensor_moved_in_bulk_and_met_again_inside_an_object_is_moved_once(flat_move: Any) -> None:
+    t = torch.ones(3)
+    for tree in ({"x": t, "r": helpers.Record(t)}, {"x": t, "r": helpers.Record(t.view(3))}):
+        flat_move()
+        out = todevice.move(tree, "meta")
+        helpers.assert_same_tree(out, helpers.reference_move(tree, "meta"))
+        assert out["r"].a is out["x"] or out["r"].a.data_ptr() == out["x"].data_ptr()
+    flat_move()
+    cpu_out = todevice.move({"x": t, "r": helpers.Record(t.view(3))}, "cpu", dtype=torch.float64)
+    cpu_out["x"][0] = 5.0
+    assert cpu_out["r"].a[0] == 5.0  # tied memory stays tied
+
+
+def test_a_failing_copy_in_bulk_names_its_path(flat_move: Any) -> None:
+    with pytest.raises(
+        NotImplementedError, match=r"Cannot move \['a'\]\[1\] \(Tensor of shape \(2,\), .*meta\) to cpu"
+    ):
+        todevice.move({"a": [torch.ones(1), torch.ones(2, device="meta")]}, "cpu")
+
+
+def test_tensors_moved_in_bulk_are_among_the_outputs(flat_move: Any) -> None:
+    tree = {"x": [torch.ones(2), torch.ones(3)], "r": helpers.Record(torch.zeros(1))}
+    out, mover = _move._move(tree, META, True, None, False, _move.COALESCE_MAX_BYTES, False)
+    made = {id(t) for t in mover.outputs()}
+    assert {id(out["x"][0]), id(out["x"][1]), id(out["r"].a)} <= made
+    assert len(made) == len(mover.outputs())  # each once
+
+
+def test_after_a_batch_already_in_place_the_next_is_walked(flat_move: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bool] = []
+    real = _move._flat_move
+    monkeypatch.setattr(_move, "_flat_move", lambda m, o: calls.append(True) or real(m, o))
+    tree = {"x": [torch.ones(2) for _ in range(3)]}
+    todevice.move(tree, "cpu")  # flat, and every tensor was in place
+    todevice.move(tree, "cpu")  # walked: cheaper for a batch in place
+    todevice.move(tree, "meta")  # walked, and it copied
+    todevice.move(tree, "meta")  # flat again
+    assert len(calls) == 2

@@ -183,6 +183,35 @@ def _skeleton_walker(take: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any
     return walk  # type: ignore[no-any-return]
 
 
+# move() of a batch that optree took apart: the tensor leaves in one list, tested and moved in one
+# comprehension each, with the same inline "already in place" test as the walk.
+_FLAT_SOURCE = """
+def factory(to, dev, dtype):
+    def in_place(found):
+        for v in found:
+            if not ({here}):
+                return False
+        return True
+
+    def moved(found):
+        return [v if {here} else {call} for v in found]
+
+    return in_place, moved
+"""
+
+_flat_factories: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _flat_factory(here: str, call: str) -> Callable[..., Any]:
+    factory = _flat_factories.get((here, call))
+    if factory is None:
+        namespace: dict[str, Any] = {}
+        source = _FLAT_SOURCE.format(here=here, call=call)
+        exec(compile(source, f"<todevice flat move: {here}>", "exec"), namespace)
+        factory = _flat_factories[here, call] = namespace["factory"]
+    return factory
+
+
 class _Mover:
     """One call's state: the target, the options and the memo of what was moved already."""
 
@@ -213,6 +242,9 @@ class _Mover:
         # (user's stream, side stream): .to() objects are moved on the user's stream, since the
         # tensors they make cannot be found to be recorded on it.
         self.object_streams: tuple[torch.Stream, torch.Stream] | None = None
+        self.flat_outputs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (sources, results)
+        self.in_place: Callable[[list[torch.Tensor]], bool]
+        self.moved: Callable[[list[torch.Tensor]], list[torch.Tensor]]
         self.walk, self.tensor = self._build()
 
     def _build(self) -> tuple[Callable[[Any], Any], Callable[[torch.Tensor], torch.Tensor]]:
@@ -292,7 +324,9 @@ class _Mover:
             memo[id(t)] = (t, out)
             return out
 
-        factory = _walker_factory(_in_place_test(dev, dtype), self.views is not None)
+        here = _in_place_test(dev, dtype)
+        self.in_place, self.moved = _flat_factory(here, "v.to(dev)" if plain_to else "to(v)")(to, dev, dtype)
+        factory = _walker_factory(here, self.views is not None)
         walk, tensor = factory(
             copy,
             self.to_object,
@@ -355,7 +389,9 @@ class _Mover:
                 if out is not src:
                     outs.append(out)
         outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
-        return outs
+        for sources, results in self.flat_outputs:
+            outs.extend(out for src, out in zip(sources, results) if out is not src)
+        return list({id(out): out for out in outs}.values())  # a flat move's results are in by_ptr too
 
     def other(self, obj: Any, code: int) -> Any:
         if type(obj) is _pack.PackedBatch:
@@ -564,7 +600,7 @@ def _move(
     mover = _Mover(dev, non_blocking, dtype, strict)
     if user_stream is not None and side_stream is not None:
         mover.object_streams = (user_stream, side_stream)
-    out = _coalesced(mover, obj, coalesce_max_bytes) if coalesce else _run(mover, obj, obj)
+    out = _coalesced(mover, obj, coalesce_max_bytes) if coalesce else _plain(mover, obj)
     if mover.unknown:
         raise TypeError(_strict_message(obj, mover.unknown))
     return out, mover
@@ -589,6 +625,65 @@ def move_on_stream(
         _stream.set_stream(user)
     mover.finish()
     return out, mover.outputs(), copied
+
+
+_MISSING: Any = object()
+
+
+def _plain(mover: _Mover, obj: Any) -> Any:
+    """move() without coalescing: the flat path where it applies, else the walk.
+
+    The flat path moves tensors in bulk, the cheaper way when they are copied. A batch whose tensors
+    are all in place already costs the walk less (it tests each one inline, with nothing to take
+    apart): after such a batch the next one is walked, until a walk copies something again.
+    """
+    lane = _pack.moving
+    if not lane.in_place:
+        out = _flat_move(mover, obj)
+        if out is not _MISSING:
+            return out
+    out = _run(mover, obj, obj)
+    lane.in_place = not (mover.by_ptr or mover.memo)
+    return out
+
+
+def _flat_move(mover: _Mover, obj: Any) -> Any:
+    """move() of a batch of dicts, lists and tuples that optree takes apart: its tensors in bulk.
+
+    ``_MISSING`` where the walk must do it: a structure optree would rebuild otherwise, a tensor
+    met twice or two over the same memory (the walk's memo keeps them together), or a copy that
+    fails (the walk raises it again, with the leaf's path). Leaves optree keeps whole are walked
+    after; should one hold a tensor moved in bulk, or one over the same memory, the walk does it all.
+    """
+    got = _pack.flat_leaves(obj, _pack.moving)
+    if got is None:
+        return _MISSING
+    spec, _, leaves, pattern = got
+    found = _pack.pick(leaves, pattern.where)
+    ptrs: list[int] = []
+    try:
+        if mover.in_place(found):
+            outs = found
+            _pack.moving.in_place = True
+        else:
+            ptrs = list(map(_Tensor.data_ptr, found))
+            if len(set(ptrs)) != len(ptrs):
+                return _MISSING
+            outs = mover.moved(found)
+    except RecursionError:
+        raise
+    except Exception:  # _LeafError, or a plain .to() error: the walk names the path
+        return _MISSING
+    mover.flat_outputs.append((found, outs))
+    if pattern.atoms is not None and pattern.order is not None:  # every leaf a tensor or an atom
+        return spec.unflatten(_pack.pick(outs + _pack.pick(leaves, pattern.atoms), pattern.order))
+    for i, out in zip(pattern.where, outs):
+        leaves[i] = out
+    for i in pattern.odd:
+        leaves[i] = _run(mover, leaves[i], obj)
+    if ptrs and not (mover.by_ptr.keys().isdisjoint(ptrs) and mover.memo.keys().isdisjoint(map(id, found))):
+        return _MISSING  # a tensor in both, or memory shared across: the walk keeps them together
+    return spec.unflatten(leaves)
 
 
 def _run(mover: _Mover, tree: Any, original: Any) -> Any:

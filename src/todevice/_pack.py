@@ -471,6 +471,7 @@ class _Pattern(NamedTuple):
     where: list[int]  # the places of the tensor leaves
     atoms: list[int] | None  # the places of the other leaves, when every one is an atom
     order: tuple[int, ...] | None  # for Flat.order: leaf k is (tensors + atoms)[order[k]]
+    odd: list[int]  # the places of leaves neither tensors nor atoms, which the walk takes on
 
 
 def _pattern(types: list[type]) -> _Pattern:
@@ -478,14 +479,15 @@ def _pattern(types: list[type]) -> _Pattern:
     others = set(types)
     others.discard(_Tensor)
     if not others.issubset(_tree.FAST_ATOMS):
-        return _Pattern(types, where, None, None)
+        odd = [i for i, tp in enumerate(types) if tp is not _Tensor and tp not in _tree.FAST_ATOMS]
+        return _Pattern(types, where, None, None, odd)
     atoms = [i for i, tp in enumerate(types) if tp is not _Tensor]
     order = [0] * len(types)
     for k, i in enumerate(where):
         order[i] = k
     for k, i in enumerate(atoms, len(where)):
         order[i] = k
-    return _Pattern(types, where, atoms, tuple(order))
+    return _Pattern(types, where, atoms, tuple(order), [])
 
 
 class _NoGuide(Exception):
@@ -685,12 +687,13 @@ class _Lane:
     go straight to the walk, and then the flat path is tried again.
     """
 
-    __slots__ = ("last", "misses", "skip")
+    __slots__ = ("in_place", "last", "misses", "skip")
 
     def __init__(self) -> None:
         self.last: tuple[Any, _SpecEntry, Guide, int] | None = None  # (spec, entry, guide, generation)
         self.misses = 0
         self.skip = 0
+        self.in_place = False  # move(): the last batch had every tensor in place already
 
 
 specs = _SpecCache()
@@ -789,7 +792,6 @@ def _take_flat(
     if got is None:
         return None
     spec, entry, leaves, pattern = got
-    types = pattern.types
     found = pick(leaves, pattern.where)
     sk = _Skeleton(max_bytes)
     dtypes: tuple[torch.dtype, ...] | None
@@ -821,12 +823,10 @@ def _take_flat(
         take = sk.take
         for i in pattern.where:
             leaves[i] = take(leaves[i])
-    if pattern.atoms is None:
+    if pattern.odd:
         walk = walker(sk.take)
-        atoms = _tree.FAST_ATOMS
-        for i, tp in enumerate(types):
-            if tp is not _Tensor and tp not in atoms:
-                leaves[i] = walk(leaves[i])
+        for i in pattern.odd:
+            leaves[i] = walk(leaves[i])
         if len(sk.tensors) != len(found):
             dtypes = None  # the walk took tensors too
     return _FlatTaken(_tree.Flat(spec, leaves), sk, dtypes, entry, False, None)
