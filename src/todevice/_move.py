@@ -675,15 +675,14 @@ def _flat_move(mover: _Mover, obj: Any) -> Any:
     except Exception:  # _LeafError, or a plain .to() error: the walk names the path
         return _MISSING
     mover.flat_outputs.append((found, outs))
-    if pattern.atoms is not None and pattern.order is not None:  # every leaf a tensor or an atom
-        return spec.unflatten(_pack.pick(outs + _pack.pick(leaves, pattern.atoms), pattern.order))
-    for i, out in zip(pattern.where, outs):
-        leaves[i] = out
-    for i in pattern.odd:
-        leaves[i] = _run(mover, leaves[i], obj)
-    if ptrs and not (mover.by_ptr.keys().isdisjoint(ptrs) and mover.memo.keys().isdisjoint(map(id, found))):
-        return _MISSING  # a tensor in both, or memory shared across: the walk keeps them together
-    return spec.unflatten(leaves)
+    others = _pack.pick(leaves, pattern.others)
+    if pattern.odd:
+        for k in pattern.odd:
+            others[k] = _run(mover, others[k], obj)
+        by_ptr, memo = mover.by_ptr, mover.memo
+        if ptrs and not (by_ptr.keys().isdisjoint(ptrs) and (not memo or memo.keys().isdisjoint(map(id, found)))):
+            return _MISSING  # a tensor in both, or memory shared across: the walk keeps them together
+    return spec.unflatten(_pack.pick(outs + others, pattern.fill))
 
 
 def _run(mover: _Mover, tree: Any, original: Any) -> Any:

@@ -469,25 +469,26 @@ class _Pattern(NamedTuple):
 
     types: list[type]  # the type of each leaf
     where: list[int]  # the places of the tensor leaves
-    atoms: list[int] | None  # the places of the other leaves, when every one is an atom
-    order: tuple[int, ...] | None  # for Flat.order: leaf k is (tensors + atoms)[order[k]]
-    odd: list[int]  # the places of leaves neither tensors nor atoms, which the walk takes on
+    others: list[int]  # the places of the other leaves
+    fill: tuple[int, ...]  # leaf k is (tensors + others)[fill[k]]
+    odd: list[int]  # the places, among ``others``, of leaves neither atoms nor tensors: the walk takes them on
+    atoms: list[int] | None  # ``others`` when every one is an atom, else None
+    order: tuple[int, ...] | None  # ``fill`` when every other leaf is an atom (for Flat.order), else None
 
 
 def _pattern(types: list[type]) -> _Pattern:
     where = [i for i, tp in enumerate(types) if tp is _Tensor]
-    others = set(types)
-    others.discard(_Tensor)
-    if not others.issubset(_tree.FAST_ATOMS):
-        odd = [i for i, tp in enumerate(types) if tp is not _Tensor and tp not in _tree.FAST_ATOMS]
-        return _Pattern(types, where, None, None, odd)
-    atoms = [i for i, tp in enumerate(types) if tp is not _Tensor]
-    order = [0] * len(types)
+    others = [i for i, tp in enumerate(types) if tp is not _Tensor]
+    fill = [0] * len(types)
     for k, i in enumerate(where):
-        order[i] = k
-    for k, i in enumerate(atoms, len(where)):
-        order[i] = k
-    return _Pattern(types, where, atoms, tuple(order), [])
+        fill[i] = k
+    for k, i in enumerate(others, len(where)):
+        fill[i] = k
+    atoms = _tree.FAST_ATOMS
+    odd = [k for k, i in enumerate(others) if types[i] not in atoms]
+    if odd:
+        return _Pattern(types, where, others, tuple(fill), odd, None, None)
+    return _Pattern(types, where, others, tuple(fill), odd, others, tuple(fill))
 
 
 class _NoGuide(Exception):
@@ -825,7 +826,8 @@ def _take_flat(
             leaves[i] = take(leaves[i])
     if pattern.odd:
         walk = walker(sk.take)
-        for i in pattern.odd:
+        for k in pattern.odd:
+            i = pattern.others[k]
             leaves[i] = walk(leaves[i])
         if len(sk.tensors) != len(found):
             dtypes = None  # the walk took tensors too
