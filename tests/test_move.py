@@ -881,3 +881,45 @@ def test_after_a_batch_already_in_place_the_next_is_walked(flat_move: Any, monke
     todevice.move(tree, "meta")  # walked, and it copied
     todevice.move(tree, "meta")  # flat again
     assert len(calls) == 2
+
+
+def test_a_tensor_met_again_after_a_tied_one_is_the_same_result(flat_move: Any) -> None:
+    t = torch.ones(3)
+    for tree in ({"a": t.detach(), "b": t, "c": t}, {"t": t, "x": [helpers.Record(t.detach()), helpers.Record(t)]}):
+        flat_move()
+        out = todevice.move(tree, "meta")
+        if "b" in out:
+            assert out["b"] is out["c"]
+        else:
+            assert out["t"] is out["x"][1].a
+
+
+def test_a_batch_whose_objects_hold_its_tensors_is_copied_once(flat_move: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    a, x = torch.ones(2), torch.zeros(3)
+    for _ in range(3):
+        calls.clear()
+        tree = {"a": a, "b": x, "r": helpers.Record(a)}
+        out, mover = _move._move(tree, META, True, None, False, _move.COALESCE_MAX_BYTES, False)
+        assert len(calls) == 2 and out["r"].a is out["a"]
+        assert {id(t) for t in mover.outputs()} == {id(out["a"]), id(out["b"])}
+
+
+def test_a_cycle_through_an_object_is_reported_from_the_top(flat_move: Any) -> None:
+    root: dict[str, Any] = {"x": torch.ones(2), "rec": None}
+    root["rec"] = helpers.Record(a=[root], b=1)
+    with pytest.raises(ValueError, match=r"the dict at the top level contains itself at \['rec'\]\.a\[0\]"):
+        todevice.move(root, "meta")
+
+
+def test_dict_keys_are_the_batch_s_own_objects(flat_move: Any) -> None:
+    for i in range(5):
+        key, big = "".join(["ke", "y"]), int("12345678901234567890")  # new objects for every batch
+        out = todevice.move({key: torch.ones(2) * i, big: torch.zeros(1)}, "meta")
+        first, second = out
+        assert first is key and second is big
+        packed = todevice.pack({key: torch.ones(2) * i, big: torch.zeros(1)}).unpack()
+        first, second = packed
+        assert first is key and second is big

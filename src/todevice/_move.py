@@ -298,9 +298,10 @@ class _Mover:
                 # entry becomes a list of every (source, result) pair at the address.
                 entries: list[tuple[torch.Tensor, torch.Tensor]] = [hit] if type(hit) is tuple else hit
                 by_ptr[ptr] = entries
-                for src, done in entries:
+                for src, done in entries:  # the same tensor again, wherever it is in the list
                     if src is t:
                         return done
+                for src, done in entries:
                     # Distinct tensors over exactly the same memory (tied weights in a state_dict)
                     # come out sharing memory too. Not for tensors requiring grad: a shared view
                     # would route the gradient through the wrong source.
@@ -650,38 +651,42 @@ def _plain(mover: _Mover, obj: Any) -> Any:
 def _flat_move(mover: _Mover, obj: Any) -> Any:
     """move() of a batch of dicts, lists and tuples that optree takes apart: its tensors in bulk.
 
-    ``_MISSING`` where the walk must do it: a structure optree would rebuild otherwise, a tensor
-    met twice or two over the same memory (the walk's memo keeps them together), or a copy that
-    fails (the walk raises it again, with the leaf's path). Leaves optree keeps whole are walked
-    after; should one hold a tensor moved in bulk, or one over the same memory, the walk does it all.
+    ``_MISSING`` where the walk must do it, from the top, with what was moved so far in its memo: a
+    structure optree would rebuild otherwise, a tensor met twice or two over the same memory (the
+    walk's memo keeps them together), a leaf optree keeps whole that holds one of the batch's
+    tensors (remembered for the treespec, which is not tried again), a cycle, or a copy that fails
+    (the walk raises it again, with its path).
     """
     got = _pack.flat_leaves(obj, _pack.moving)
     if got is None:
         return _MISSING
-    spec, _, leaves, pattern = got
+    spec, entry, leaves, pattern = got
+    if entry.ties_across:
+        return _MISSING
     found = _pack.pick(leaves, pattern.where)
-    ptrs: list[int] = []
+    others = _pack.pick(leaves, pattern.others)
     try:
-        if mover.in_place(found):
+        in_place = mover.in_place(found)
+        for k in pattern.odd:  # leaves optree keeps whole, by the walk's rules, before any bulk copy
+            others[k] = mover.walk(others[k])
+        if in_place:
             outs = found
             _pack.moving.in_place = True
         else:
             ptrs = list(map(_Tensor.data_ptr, found))
             if len(set(ptrs)) != len(ptrs):
                 return _MISSING
+            if pattern.odd:
+                by_ptr, memo = mover.by_ptr, mover.memo
+                if not by_ptr.keys().isdisjoint(ptrs) or (memo and not memo.keys().isdisjoint(map(id, found))):
+                    entry.ties_across = True  # a tensor in both, or memory shared across
+                    return _MISSING
             outs = mover.moved(found)
-    except RecursionError:
-        raise
-    except Exception:  # _LeafError, or a plain .to() error: the walk names the path
+    except (RecursionError, _LeafError):  # a cycle, deep nesting or a failure: the walk from the top says where
+        return _MISSING
+    except Exception:  # a plain .to() error: the walk names its path
         return _MISSING
     mover.flat_outputs.append((found, outs))
-    others = _pack.pick(leaves, pattern.others)
-    if pattern.odd:
-        for k in pattern.odd:
-            others[k] = _run(mover, others[k], obj)
-        by_ptr, memo = mover.by_ptr, mover.memo
-        if ptrs and not (by_ptr.keys().isdisjoint(ptrs) and (not memo or memo.keys().isdisjoint(map(id, found)))):
-            return _MISSING  # a tensor in both, or memory shared across: the walk keeps them together
     return spec.unflatten(_pack.pick(outs + others, pattern.fill))
 
 

@@ -496,9 +496,8 @@ class _NoGuide(Exception):
 
 
 _UNGUIDED = frozenset({collections.OrderedDict, collections.defaultdict, collections.deque})
-_GUIDED_KEYS = frozenset({str, int, bytes})
 _NoneType = type(None)
-# (exact type, (keys in order, their exact types) for a dict or its length otherwise,
+# (exact type, (keys in order, their ids) for a dict or its length otherwise,
 #  [(key or index, guide) of each child node])
 Guide = tuple[type, Any, tuple[tuple[Any, Any], ...]]
 
@@ -515,13 +514,11 @@ def _guide(x: Any) -> Guide | None:
     """
     tp = type(x)
     if tp is dict:
-        keys = list(x)
-        key_types = list(map(type, keys))
         # The treespec's own keys come back, not the batch's: equal is not enough (1 == True ==
-        # 1.0, and an Enum may equal a str), so only keys whose equality says all are guided.
-        if not _GUIDED_KEYS.issuperset(key_types):
-            raise _NoGuide
-        return (tp, (keys, key_types), _guided(x.items()))
+        # 1.0, an Enum may equal a str, a fresh string is another object), so the keys must be
+        # the very same objects. The guide keeps them alive, so their ids stay theirs.
+        keys = list(x)
+        return (tp, (keys, list(map(id, keys))), _guided(x.items()))
     if tp is list or tp is tuple or (isinstance(x, tuple) and _tuple_node(tp)):
         return (tp, len(x), _guided(enumerate(x)))
     if tp is _NoneType:
@@ -554,8 +551,7 @@ def _follows(obj: Any, guide: Guide) -> bool:
         if type(x) is not tp:
             return False
         if tp is dict:
-            keys, key_types = shape
-            if list(x) != keys or list(map(type, x)) != key_types:  # type: ignore[call-overload]
+            if list(map(id, x)) != shape[1]:  # type: ignore[call-overload]
                 return False
         elif shape is not None and len(x) != shape:  # type: ignore[arg-type]
             return False
@@ -606,12 +602,13 @@ def _warm(
 
 
 class _SpecEntry:
-    __slots__ = ("flat", "guides", "pattern", "seen", "warm")
+    __slots__ = ("flat", "guides", "pattern", "seen", "ties_across", "warm")
 
     def __init__(self, flat: bool) -> None:
         self.flat = flat  # whether optree and todevice rebuild every node of the treespec alike
         self.pattern: _Pattern | None = None  # replaced whole, never changed: threads may share it
         self.seen = 0
+        self.ties_across = False  # move(): a leaf optree keeps whole held a tensor of the batch
         # Warm layouts by (cast, max_bytes): pack() and move() keep one each.
         self.warm: dict[tuple[torch.dtype | None, int | None], _Warm] = {}
         # Guides of batches with this treespec: treespecs that differ only in the order of dict
@@ -742,8 +739,9 @@ def flat_leaves(obj: Any, lane: _Lane) -> tuple[Any, _SpecEntry, list[Any], _Pat
     if type(obj) not in _FLAT_ROOTS:
         return None
     leaves: list[Any] | None = None
+    generation = _tree._generation[0]  # read once: a registration meanwhile makes this batch's guide stale
     last = lane.last
-    if last is not None and last[3] == _tree._generation[0]:
+    if last is not None and last[3] == generation:
         spec, entry, guide, _ = last
         # The guide first: it turns another structure away at its first difference, where
         # flatten_up_to would format the repr of the subtree it fails on.
@@ -772,7 +770,7 @@ def flat_leaves(obj: Any, lane: _Lane) -> tuple[Any, _SpecEntry, list[Any], _Pat
             return None
         made = entry.guide_for(obj)
         if made is not None:
-            lane.last = (spec, entry, made, _tree._generation[0])
+            lane.last = (spec, entry, made, generation)
     types = list(map(type, leaves))
     pattern = entry.pattern
     if pattern is None or pattern.types != types:
