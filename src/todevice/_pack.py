@@ -4,8 +4,19 @@ A plan groups the packed tensors by (buffer dtype, shape). A group of two or mor
 block, written with one ``torch.stack`` and cut back into tensors with one ``unbind``; tensors of a
 shape seen once share a ragged region per dtype, cut with one ``unflatten_dense_tensors``. Either way
 the per-tensor loop runs in C++: a view made from Python costs about 1.5 us here, one made inside
-``unbind`` about 0.4 us. Every tensor starts at a multiple of ``ALIGN`` bytes, so device kernels keep
+``unbind`` about 0.3 us. Every tensor starts at a multiple of ``ALIGN`` bytes, so device kernels keep
 their vectorised loads, and the buffer holds the data plus that padding and nothing more.
+
+Taking a batch apart (``take_tensors``) goes, fastest first:
+- warm: the batch has the structure, leaf types and dtypes of the last one, whose layout is reused;
+  ``write`` checks shapes, devices and requires_grad per block instead of per tensor (``_Warm``);
+- guided: the structure of the last batch, taken apart by ``spec.flatten_up_to`` once a guide has
+  checked its every node (``_guide``, ``_follows``, ``_Lane``);
+- flat: ``optree.tree_flatten``, where optree's rules agree with todevice's (``flat_node``), the
+  tensors checked in bulk (``_take_flat``);
+- walked: todevice's own walk, with a ``take`` per tensor, for every other structure; a careful
+  walk where a tensor is met twice or memory is shared (``_Skeleton``).
+``move()`` without coalescing uses the same flat and guided paths (``flat_leaves``).
 """
 
 from __future__ import annotations
