@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import enum
+import gc
 import os
 import pickle
 import subprocess
 import sys
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -515,12 +517,12 @@ def test_dict_key_order_is_kept_whatever_the_order_before(keys: list[str]) -> No
 def test_the_flat_path_and_the_walk_give_the_same_batch(tree: Any) -> None:
     _pack.packing.skip = 0
     flat = todevice.pack(tree).unpack()
-    roots = _pack._FLAT_ROOTS
-    _pack._FLAT_ROOTS = frozenset()
+    flat_root = _pack._flat_root
+    _pack._flat_root = lambda tp: False  # type: ignore[assignment]
     try:
         walked = todevice.pack(tree).unpack()
     finally:
-        _pack._FLAT_ROOTS = roots
+        _pack._flat_root = flat_root
     helpers.assert_same_tree(flat, walked, values=True, same=False)
 
 
@@ -794,3 +796,55 @@ def test_a_namedtuple_registered_with_optree_itself_keeps_the_walk() -> None:
             assert out["s"].x.device == META and out["s"].mask.device == META
     finally:
         optree.unregister_pytree_node(Sample, namespace=everywhere)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_a_nested_tensor_in_a_large_warm_block_stays_loose(flat_ready: None) -> None:
+    for _ in range(3):
+        todevice.pack([torch.randn(20000) for _ in range(4)])  # a warm block of 4 x 80 KB: read tensor by tensor
+    tree = [torch.randn(20000) for _ in range(4)]
+    tree[1] = torch.nested.nested_tensor([torch.randn(20000)])
+    out = todevice.pack(tree).unpack()
+    assert out[1].is_nested and torch.equal(out[0], tree[0])
+
+
+def test_a_refused_treespec_keeps_nothing_of_its_batch_alive(flat_ready: None) -> None:
+    class Box:
+        def __init__(self, x: torch.Tensor, meta: torch.Tensor) -> None:
+            self.x, self.meta = x, meta
+
+    everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
+    optree.register_pytree_node(Box, lambda b: ([b.x], b.meta), lambda meta, ch: Box(ch[0], meta), namespace=everywhere)
+    try:
+        refs = []
+        for _ in range(3):
+            meta = torch.zeros(1000)
+            refs.append(weakref.ref(meta))
+            batch = {"box": Box(torch.ones(2), meta), "y": torch.ones(3)}
+            todevice.move(batch, "meta")
+            todevice.pack(batch).unpack()
+            del meta, batch
+        gc.collect()
+        assert all(r() is None for r in refs)  # the treespec holds the aux data; a refused one is not kept
+    finally:
+        optree.unregister_pytree_node(Box, namespace=everywhere)
+
+
+def test_a_namedtuple_batch_is_taken_apart_flat(flat_ready: None) -> None:
+    batch = helpers.Point(torch.ones(2), [torch.zeros(3), "s"])
+    packed = todevice.pack(batch)
+    assert type(packed.skeleton) is _tree.Flat
+    helpers.assert_same_tree(packed.unpack(), batch, values=True, same=False)
+
+
+def test_structures_the_flat_path_refuses_are_not_flattened_every_time(
+    flat_ready: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = optree.tree_flatten
+    monkeypatch.setattr(_pack.optree, "tree_flatten", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sequence = torch.nn.utils.rnn.pack_sequence([torch.ones(3), torch.ones(2)])  # a namedtuple with .to()
+    for _ in range(10):
+        out = todevice.pack({"seq": sequence, "x": torch.ones(2)}).unpack()
+        assert type(out["seq"]) is type(sequence)
+    assert len(calls) == 3  # refused three times in a row: then the walk, without a flatten

@@ -392,7 +392,7 @@ class _Mover:
         outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
         for sources, results in self.flat_outputs:
             outs.extend(out for src, out in zip(sources, results) if out is not src)
-        return list({id(out): out for out in outs}.values())  # a flat move's results are in by_ptr too
+        return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def other(self, obj: Any, code: int) -> Any:
         if type(obj) is _pack.PackedBatch:

@@ -8,10 +8,11 @@ the per-tensor loop runs in C++: a view made from Python costs about 1.5 us here
 their vectorised loads, and the buffer holds the data plus that padding and nothing more.
 
 Taking a batch apart (``take_tensors``) goes, fastest first:
-- warm: the batch has the structure, leaf types and dtypes of the last one, whose layout is reused;
-  ``write`` checks shapes, devices and requires_grad per block instead of per tensor (``_Warm``);
-- guided: the structure of the last batch, taken apart by ``spec.flatten_up_to`` once a guide has
-  checked its every node (``_guide``, ``_follows``, ``_Lane``);
+- warm: the batch has the leaf pattern and dtypes of the last one of its treespec (per cast and
+  ``max_bytes``), whose layout is reused; ``write`` checks shapes, devices and requires_grad per
+  block instead of per tensor (``_Warm``);
+- guided: from the second batch of a structure on, the structure of the last batch, taken apart by
+  ``spec.flatten_up_to`` once a guide has checked its every node (``_guide``, ``_follows``, ``_Lane``);
 - flat: ``optree.tree_flatten``, where optree's rules agree with todevice's (``flat_node``), the
   tensors checked in bulk (``_take_flat``);
 - walked: todevice's own walk, with a ``take`` per tensor, for every other structure; a careful
@@ -224,10 +225,11 @@ def _stale(check: _Warm) -> NoReturn:
 def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor], check: Any = None) -> None:
     """Copy ``walked`` (tensors in walk order) into ``buffer``: one or two C++ calls per group.
 
-    With ``check`` (the ``_Warm`` layout this is), the shapes of the tensors in
-    blocks were not read: each block is stacked on its own and must come out host-resident, not
-    requiring grad and of the block's shape, or ``Stale`` is raised (``torch.stack`` refuses
-    tensors of unequal shapes by itself). It costs no more than stacking into the buffer.
+    With ``check`` (the ``_Warm`` layout this is), the shapes, devices and requires_grad of the
+    tensors in blocks were not read. A block up to ``_STACK_TO_CHECK`` bytes is stacked on its own
+    and must come out host-resident, not requiring grad and of the block's shape (``torch.stack``
+    refuses tensors of unequal shapes by itself), which costs no more than stacking into the buffer;
+    a larger block's tensors are read one by one. A block that does not fit raises ``Stale``.
     """
     tensors = pick(walked, layout.walk_order)
     k = 0
@@ -244,7 +246,11 @@ def write(buffer: torch.Tensor, layout: Layout, walked: Sequence[torch.Tensor], 
             if g.n * g.padded * g.dtype.itemsize > _STACK_TO_CHECK:
                 # A large block holds few tensors for its bytes: read each, rather than copy it twice.
                 shape = g.shape
-                if any(t.shape != shape or not t.is_cpu or t.requires_grad for t in group):
+                try:
+                    fits = not any(t.shape != shape or not t.is_cpu or t.requires_grad for t in group)
+                except RuntimeError:  # a nested tensor has no shape
+                    fits = False
+                if not fits:
                     _stale(check)
             else:
                 try:
@@ -657,7 +663,12 @@ class _SpecCache:
     def __init__(self, size: int = 256) -> None:
         self.size = size
         self.checked = 0  # how many treespecs were worked out, not found: the tests read it
+        # Treespecs a Flat skeleton may hold, with what is known of them. A treespec holds its dict
+        # keys, defaultdict factories and node classes, so these stay alive while it is cached.
         self._entries: dict[Any, _SpecEntry] = {}
+        # The hashes of treespecs that may not: a hash keeps nothing alive (a custom node's aux data
+        # can be anything), and two treespecs with one hash only send a batch to the walk.
+        self._refused: set[int] = set()
         self._generation = -1  # a registration change can change a verdict
 
     def get(self, spec: Any) -> tuple[_SpecEntry, bool]:
@@ -665,10 +676,14 @@ class _SpecCache:
         entries = self._entries
         if self._generation != _tree._generation[0]:
             entries = self._entries = {}
+            self._refused = set()
             self._generation = _tree._generation[0]
         entry = entries.get(spec)
         if entry is not None:
             return entry, False
+        key = hash(spec)
+        if key in self._refused:
+            return _REFUSED, False
         nodes: set[tuple[type, Any]] = set()
 
         def node(one: Any) -> Any:
@@ -676,11 +691,16 @@ class _SpecCache:
             return one
 
         spec.transform(node)
-        entry = _SpecEntry(all(_tree.flat_node(tp, kind) for tp, kind in nodes))
+        self.checked += 1
+        if not all(_tree.flat_node(tp, kind) for tp, kind in nodes):
+            if len(self._refused) >= 4096:
+                self._refused.clear()
+            self._refused.add(key)
+            return _REFUSED, True
+        entry = _SpecEntry(True)
         if len(entries) >= self.size:
             entries.clear()
         entries[spec] = entry
-        self.checked += 1
         return entry, True
 
 
@@ -693,7 +713,8 @@ class _Lane:
     the batch's own: treespecs that differ only in the order of dict keys are equal, and share an
     entry. Structures that never repeat (a list whose length changes every batch) would pay for the
     flatten and for working out each treespec: after 3 new treespecs in a row, the next 16 batches
-    go straight to the walk, and then the flat path is tried again.
+    go straight to the walk, and then the flat path is tried again. So do structures the flat path
+    refuses (a PackedSequence inside a dict), which would pay for a flatten every time.
     """
 
     __slots__ = ("in_place", "last", "misses", "skip")
@@ -705,13 +726,26 @@ class _Lane:
         self.in_place = False  # move(): the last batch had every tensor in place already
 
 
+_REFUSED = _SpecEntry(False)  # the entry of every treespec a Flat skeleton may not hold
 specs = _SpecCache()
 packing = _Lane()
 moving = _Lane()
 # isinstance(x, torch.Tensor) as a C callable: optree asks it first, and a leaf it says yes to skips
 # optree's registry lookup, the larger part of optree's cost for a tensor leaf (measured).
 _is_tensor = functools.partial(type.__instancecheck__, _Tensor)
-_FLAT_ROOTS = frozenset({dict, list, tuple})
+_FLAT_ROOTS = frozenset({dict, list, tuple, collections.OrderedDict, collections.defaultdict, collections.deque})
+
+
+def _flat_root(tp: type) -> bool:
+    """Whether a batch of this type may be taken apart by optree: a container optree opens as todevice does.
+
+    A namedtuple with a ``.to()`` (PackedSequence) is an object to todevice, and goes to the walk
+    without a flatten.
+    """
+    if tp in _FLAT_ROOTS:
+        return True
+    unflatten = _tree.kind_of(tp).unflatten
+    return unflatten is _tree._namedtuple_unflatten or unflatten is _tree._structseq_unflatten
 
 
 def _selected(found: list[torch.Tensor], max_bytes: int | None) -> list[torch.dtype] | None:
@@ -747,7 +781,7 @@ def flat_leaves(obj: Any, lane: _Lane) -> tuple[Any, _SpecEntry, list[Any], _Pat
 
     None where they may not agree, or where the lane is skipping: the walk takes over.
     """
-    if type(obj) not in _FLAT_ROOTS:
+    if not _flat_root(type(obj)):
         return None
     leaves: list[Any] | None = None
     generation = _tree._generation[0]  # read once: a registration meanwhile makes this batch's guide stale
@@ -771,7 +805,7 @@ def flat_leaves(obj: Any, lane: _Lane) -> tuple[Any, _SpecEntry, list[Any], _Pat
             entry, new = specs.get(spec)
         except Exception:  # too deep, cyclic, a failing flatten, or aux data that cannot be compared
             return None
-        if new:
+        if new or not entry.flat:  # a new structure, or one the walk must take: the flatten was for nothing
             lane.misses += 1
             if lane.misses >= 3:
                 lane.skip, lane.misses = 16, 0
