@@ -682,9 +682,7 @@ def _flat_move(mover: _Mover, obj: Any) -> Any:
                     entry.ties_across = True  # a tensor in both, or memory shared across
                     return _MISSING
             outs = mover.moved(found)
-    except (RecursionError, _LeafError):  # a cycle, deep nesting or a failure: the walk from the top says where
-        return _MISSING
-    except Exception:  # a plain .to() error: the walk names its path
+    except Exception:  # a cycle, deep nesting or a failing copy: the walk from the top says where
         return _MISSING
     mover.flat_outputs.append((found, outs))
     return spec.unflatten(_pack.pick(outs + others, pattern.fill))
@@ -719,33 +717,25 @@ def _explain(failure: _LeafError, original: Any, where_to: str, verb: str = "mov
 def _coalesced(mover: _Mover, obj: Any, max_bytes: int) -> Any:
     """Pack the small host tensors, send them in one copy, then move the rest around their views."""
 
-    warm = True
-    while True:
-        try:
-            taken = _pack.take_tensors(obj, max_bytes, mover.dtype, _skeleton_walker, warm)
-        except RecursionError:
-            return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
-        except _LeafError as failure:
-            _explain(failure, obj, f"to {mover.dev}")
-        try:
-            mover.views = _send(taken.tensors, taken.layout, mover, taken.check) if taken.tensors else []
-        except _pack.Stale:  # the last batch's layout did not fit this one: read every tensor
-            warm = False
-            continue
-        mover.walk, mover.tensor = mover._build()
-        return _run(mover, taken.skeleton, obj)
+    try:
+        taken, staging, _ = _pack.stage(obj, max_bytes, mover.dtype, _skeleton_walker, _pack.pinning.empty)
+    except RecursionError:
+        return _run(mover, obj, obj)  # deep or cyclic: the plain walk handles or reports it
+    except _LeafError as failure:
+        _explain(failure, obj, f"to {mover.dev}")
+    mover.views = _send(staging, taken.layout, mover) if staging is not None else []
+    mover.walk, mover.tensor = mover._build()
+    return _run(mover, taken.skeleton, obj)
 
 
-def _send(tensors: list[torch.Tensor], layout: _pack.Layout, mover: _Mover, check: Any = None) -> list[torch.Tensor]:
-    """Pack ``tensors`` into pinned staging, copy it to the target once, and cut the copy into views."""
-    staging = _pack.pinning.empty(layout.nbytes)
-    _pack.write(staging, layout, tensors, check)
+def _send(staging: torch.Tensor, layout: _pack.Layout, mover: _Mover) -> list[torch.Tensor]:
+    """Copy a staging buffer (pinned, from ``_pack.stage``) to the target once, and cut the copy into views."""
     non_blocking = mover.non_blocking and (staging.is_pinned() if mover.mps else True)
     try:
         on_device = staging.to(mover.dev, non_blocking=non_blocking)
     except Exception as err:
         _raise_with_path(
-            err, f"Cannot move {len(tensors)} coalesced tensors ({layout.nbytes} bytes) to {mover.dev}: {err}"
+            err, f"Cannot move {len(layout.order)} coalesced tensors ({layout.nbytes} bytes) to {mover.dev}: {err}"
         )
     mover.buffers.append(on_device)
     return _pack.read(on_device, layout, made=mover.buffers)

@@ -776,7 +776,6 @@ class _FlatTaken(NamedTuple):
     sk: _Skeleton
     dtypes: tuple[torch.dtype, ...] | None  # the taken tensors' dtypes, when read already
     entry: _SpecEntry
-    simple: bool  # every tensor leaf taken, every other leaf an atom: a warm layout may follow
     warm: _Warm | None  # taken along it: shapes, devices and requires_grad of blocks unread
 
 
@@ -842,25 +841,24 @@ def _take_flat(
     spec, entry, leaves, pattern = got
     found = pick(leaves, pattern.where)
     sk = _Skeleton(max_bytes)
-    dtypes: tuple[torch.dtype, ...] | None
-    warm = entry.warm.get((cast, max_bytes))
+    dtypes: tuple[torch.dtype, ...] | None = None
+    warm = entry.warm.get((cast, max_bytes)) if use_warm else None
     if (
-        use_warm
-        and warm is not None
+        warm is not None
         and warm.pattern is pattern
         and torch.is_grad_enabled()  # so that a stacked block tells whether a tensor requires grad
     ):
         dtypes = tuple(map(_dtype_of, found))
-        if dtypes == warm.dtypes and _ragged_fit(found, warm):
-            sk.tensors.extend(found)
-            flat = _tree.Flat(spec, pick(leaves, pattern.atoms), pattern.order)  # type: ignore[arg-type]
-            return _FlatTaken(flat, sk, dtypes, entry, True, warm)
-    selected = _selected(found, max_bytes)
-    dtypes = None if selected is None else tuple(selected)
+        if dtypes != warm.dtypes or not _ragged_fit(found, warm):
+            dtypes = None
+    if dtypes is None:
+        warm = None
+        selected = _selected(found, max_bytes)
+        dtypes = None if selected is None else tuple(selected)
     if dtypes is not None and pattern.atoms is not None:  # the usual case: all leaves tensors or atoms
         sk.tensors.extend(found)
         simple = _tree.Flat(spec, pick(leaves, pattern.atoms), pattern.order)
-        return _FlatTaken(simple, sk, dtypes, entry, True, None)
+        return _FlatTaken(simple, sk, dtypes, entry, warm)
     if dtypes is not None:
         sk.tensors.extend(found)
         for i, slot in zip(pattern.where, _slot_pool.at_least(len(found))):
@@ -878,7 +876,7 @@ def _take_flat(
             leaves[i] = walk(leaves[i])
         if len(sk.tensors) != len(found):
             dtypes = None  # the walk took tensors too
-    return _FlatTaken(_tree.Flat(spec, leaves), sk, dtypes, entry, False, None)
+    return _FlatTaken(_tree.Flat(spec, leaves), sk, dtypes, entry, None)
 
 
 def _ragged_fit(found: list[torch.Tensor], warm: _Warm) -> bool:
@@ -928,7 +926,7 @@ def take_tensors(
         # A repeated address means a tensor met twice or memory shared, which the careful walk
         # sorts out; so does a sparse tensor, which has no data_ptr().
         clean = len(set(map(_Tensor.data_ptr, tensors))) == len(tensors)
-        if clean and flat is not None and flat.warm is not None and warm:
+        if clean and flat is not None and flat.warm is not None:
             plans.last_count = len(tensors)
             return Taken(skeleton, tensors, flat.warm.layout, 0, flat.warm)
         shapes = tuple(map(_shape_of, tensors))  # nested tensors have no shape
@@ -944,11 +942,46 @@ def take_tensors(
     if dtypes is None:
         dtypes = tuple(map(_dtype_of, tensors))
     layout = plans.get(dtypes, shapes, cast)
-    if clean and flat is not None and flat.simple:
+    if clean and flat is not None and flat.skeleton.order is not None:  # every tensor leaf taken
         pattern = flat.entry.pattern
         assert pattern is not None
         flat.entry.warm[cast, max_bytes] = _warm(flat.entry, pattern, dtypes, shapes, layout, cast, max_bytes)
     return Taken(skeleton, tensors, layout, len(sk.loose), None)
+
+
+def stage(
+    obj: Any,
+    max_bytes: int | None,
+    cast: torch.dtype | None,
+    walker: Callable[..., Any],
+    allocate: Callable[[int], torch.Tensor],
+) -> tuple[Taken, torch.Tensor | None, tuple[int, ...]]:
+    """Take ``obj``'s tensors and write them into a buffer from ``allocate(nbytes)``.
+
+    Returns what was taken, the buffer (None when no tensor was taken) and the places of the taken
+    tensors that required grad. A warm layout that does not fit the batch is dropped (``Stale``),
+    and the batch taken again, every tensor read.
+    """
+    warm = True
+    while True:
+        taken = take_tensors(obj, max_bytes, cast, walker, warm)
+        tensors = taken.tensors
+        if not tensors:
+            return taken, None, ()
+        requires_grad: tuple[int, ...] = ()
+        # Only pack() takes tensors that require grad (move() leaves them to .to()); a warm layout
+        # has none, which write() checks.
+        if max_bytes is None and taken.check is None and any(map(_needs_grad, tensors)):
+            requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
+            for k in requires_grad:
+                tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
+        buffer = allocate(taken.layout.nbytes)
+        try:
+            write(buffer, taken.layout, tensors, taken.check)
+        except Stale:  # the last batch's layout did not fit this one: read every tensor
+            warm = False
+            continue
+        return taken, buffer, requires_grad
 
 
 def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
@@ -983,39 +1016,29 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
     """
     from todevice import _move  # the walk and its container rules live there; imported late, one way
 
-    warm = True
-    while True:
-        try:
-            taken = take_tensors(obj, None, None, _move._skeleton_walker, warm)
-        except _move._LeafError as failure:
-            _move._explain(failure, obj, "", verb="pack")
-        except RecursionError as err:
-            try:
-                for _ in _tree.walk_paths(obj):
-                    pass
-            except _tree.CycleError as cycle:
-                raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot pack", 1)) from err
-            msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
-            raise ValueError(msg) from err
-        tensors, layout = taken.tensors, taken.layout
-        requires_grad: tuple[int, ...] = ()
-        if taken.check is None and any(map(_needs_grad, tensors)):  # a warm layout has none: write checks
-            requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
-        for k in requires_grad:
-            tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
+    def allocate(nbytes: int) -> torch.Tensor:
         if shared:
             # In a DataLoader worker: straight into shared memory, so that sending it to the main
             # process copies nothing (as default_collate does for each of its tensors).
-            storage = torch.UntypedStorage._new_shared(layout.nbytes)  # type: ignore[no-untyped-call]
-            buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
-        else:
-            buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+            storage = torch.UntypedStorage._new_shared(nbytes)  # type: ignore[no-untyped-call]
+            return torch.empty(0, dtype=torch.uint8).set_(storage)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    try:
+        taken, buffer, requires_grad = stage(obj, None, None, _move._skeleton_walker, allocate)
+    except _move._LeafError as failure:
+        _move._explain(failure, obj, "", verb="pack")
+    except RecursionError as err:
         try:
-            write(buffer, layout, tensors, taken.check)
-        except Stale:  # the last batch's layout did not fit this one: read every tensor
-            warm = False
-            continue
-        return PackedBatch(buffer, layout, taken.skeleton, requires_grad, taken.loose)
+            for _ in _tree.walk_paths(obj):
+                pass
+        except _tree.CycleError as cycle:
+            raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot pack", 1)) from err
+        msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
+        raise ValueError(msg) from err
+    if buffer is None:
+        buffer = allocate(0)
+    return PackedBatch(buffer, taken.layout, taken.skeleton, requires_grad, taken.loose)
 
 
 class PackedBatch:
