@@ -737,7 +737,7 @@ moving = _Lane()
 # isinstance(x, torch.Tensor) as a C callable: optree asks it first, and a leaf it says yes to skips
 # optree's registry lookup, the larger part of optree's cost for a tensor leaf (measured).
 _is_tensor = functools.partial(type.__instancecheck__, _Tensor)
-_FLAT_ROOTS = frozenset({dict, list, tuple, collections.OrderedDict, collections.defaultdict, collections.deque})
+_FLAT_ROOTS = _tree.FLAT_BUILTINS - {type(None)}  # a None batch has nothing to take apart
 
 
 def _flat_root(tp: type) -> bool:

@@ -489,7 +489,7 @@ def kind_for_packing(tp: type) -> Kind:
     return kind
 
 
-_FLAT_BUILTINS: frozenset[type] = frozenset(
+FLAT_BUILTINS: frozenset[type] = frozenset(
     {type(None), dict, list, tuple, collections.OrderedDict, collections.defaultdict, collections.deque}
 )
 
@@ -506,7 +506,7 @@ def flat_node(tp: type, kind: optree.PyTreeKind) -> bool:
     """
     if kind == optree.PyTreeKind.CUSTOM or tp in _registry:
         return False
-    if tp in _FLAT_BUILTINS:
+    if tp in FLAT_BUILTINS:
         return True
     unflatten = kind_of(tp).unflatten
     if kind == optree.PyTreeKind.STRUCTSEQUENCE:
