@@ -17,6 +17,15 @@ import todevice
 from tests import helpers, strategies
 from todevice import _move
 
+
+def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = False) -> Any:
+    """move()'s walk, and the state it left (its memo, its outputs)."""
+    p = _move.plan(device, True, dtype)
+    state = _move.State(p)
+    out = _move._coalesced(tree, state, _move.COALESCE_MAX_BYTES) if coalesce else p.walk.walk(tree, state)
+    return out, state
+
+
 META = torch.device("meta")
 CPU = torch.device("cpu")
 CORPUS = helpers.corpus()
@@ -68,8 +77,8 @@ def test_aliases_and_shared_memory_survive(tree: Any) -> None:
 @given(strategies.trees)
 def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
     """The stack-based walk used past Python's recursion limit agrees with the fast walk."""
-    mover = _move._Mover(META, True, None, False)
-    helpers.assert_same_tree(mover.walk_iteratively(tree), todevice.move(tree, "meta"))
+    p = _move.plan(META, True, None)
+    helpers.assert_same_tree(p.walk.walk_iteratively(tree, _move.State(p)), todevice.move(tree, "meta"))
 
 
 # ---------------------------------------------------------------- the corpus, case by case
@@ -457,11 +466,15 @@ def test_device_to_host_waits_before_returning(monkeypatch: pytest.MonkeyPatch) 
     """A non_blocking copy into host memory is synchronized once per source device before return."""
     synced: list[torch.device] = []
     monkeypatch.setattr(_move._stream, "synchronize", synced.append)
-    mover = _move._Mover(CPU, True, None, False)
-    fake_gpu = torch.device("cuda", 0)
-    mover.wait_for.add(fake_gpu)
+
+    class OnAGpu:
+        device = torch.device("cuda", 0)
+
+    mover = _move.State(_move.plan(CPU, True, None))
+    mover.by_ptr[1] = (OnAGpu(), torch.ones(1))  # what moving a tensor from cuda:0 leaves in the memo
+    mover.by_ptr[2] = (OnAGpu(), torch.ones(1))
     mover.finish()
-    assert synced == [fake_gpu]
+    assert synced == [OnAGpu.device]
 
 
 def test_host_copies_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -472,8 +485,7 @@ def test_host_copies_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_blocking_moves_to_the_host_never_wait() -> None:
-    mover = _move._Mover(CPU, False, None, False)
-    assert not mover.to_host
+    assert not _move.plan(CPU, False, None).to_host
 
 
 # ---------------------------------------------------------------- deep and cyclic structures
@@ -682,8 +694,7 @@ def test_mps_copies_from_pageable_memory_are_blocking(pinned: bool, expected: bo
     t = torch.Tensor._make_subclass(_PinRecorder, torch.ones(2))
     t.pinned = pinned
     _PinRecorder.calls = []
-    mover = _move._Mover(torch.device("mps"), True, None, False)
-    mover.tensor(t)
+    _move.plan(torch.device("mps"), True, None).to(t)
     assert _PinRecorder.calls == [expected]
 
 
@@ -807,86 +818,45 @@ def test_error_whose_type_wants_other_arguments_is_raised_as_it_is() -> None:
     assert info.value.__cause__ is not info.value
 
 
-# ---------------------------------------------------------------- the flat path (optree takes the batch apart)
-
-
-@pytest.fixture
-def flat_move() -> Any:
-    """Every move() of the test tries the flat path first (see _pack._Lane)."""
-    from todevice import _pack
-
-    def ready() -> None:
-        _pack.moving.skip = _pack.moving.misses = 0
-        _pack.moving.in_place = False
-
-    ready()
-    return ready
+# ---------------------------------------------------------------- repeated calls, and tensors met again
 
 
 @given(strategies.trees, st.sampled_from([None, torch.float16, torch.float64]), st.sampled_from(["meta", "cpu"]))
-def test_the_flat_path_matches_the_reference(tree: Any, dtype: torch.dtype | None, device: str) -> None:
-    from todevice import _pack
-
-    for _ in range(3):  # new treespec, guide made, guide used
-        _pack.moving.skip = 0
-        _pack.moving.in_place = False
+def test_repeated_moves_match_the_reference(tree: Any, dtype: torch.dtype | None, device: str) -> None:
+    for _ in range(3):  # the same call gives the same result, whatever ran before it
         out = todevice.move(tree, device, dtype=dtype)
         helpers.assert_same_tree(out, helpers.reference_move(tree, device, dtype), values=device == "cpu")
 
 
-def test_the_flat_path_is_taken(flat_move: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[bool] = []
-    real = _move._flat_move
-    monkeypatch.setattr(_move, "_flat_move", lambda m, o: calls.append(True) or real(m, o))
-    tree = {"x": [torch.ones(2) for _ in range(3)], "y": (torch.arange(2), "s")}
-    out = todevice.move(tree, "meta")
-    assert calls and out["x"][0].device == META and out["y"][1] == "s"
-
-
-def test_a_tensor_moved_in_bulk_and_met_again_inside_an_object_is_moved_once(flat_move: Any) -> None:
+def test_a_tensor_met_again_inside_an_object_is_moved_once() -> None:
     t = torch.ones(3)
     for tree in ({"x": t, "r": helpers.Record(t)}, {"x": t, "r": helpers.Record(t.view(3))}):
-        flat_move()
         out = todevice.move(tree, "meta")
         helpers.assert_same_tree(out, helpers.reference_move(tree, "meta"))
         assert out["r"].a is out["x"] or out["r"].a.data_ptr() == out["x"].data_ptr()
-    flat_move()
     cpu_out = todevice.move({"x": t, "r": helpers.Record(t.view(3))}, "cpu", dtype=torch.float64)
     cpu_out["x"][0] = 5.0
     assert cpu_out["r"].a[0] == 5.0  # tied memory stays tied
 
 
-def test_a_failing_copy_in_bulk_names_its_path(flat_move: Any) -> None:
+def test_a_failing_copy_names_its_path() -> None:
     with pytest.raises(
         NotImplementedError, match=r"Cannot move \['a'\]\[1\] \(Tensor of shape \(2,\), .*meta\) to cpu"
     ):
         todevice.move({"a": [torch.ones(1), torch.ones(2, device="meta")]}, "cpu")
 
 
-def test_tensors_moved_in_bulk_are_among_the_outputs(flat_move: Any) -> None:
+def test_tensors_moved_are_among_the_outputs() -> None:
     tree = {"x": [torch.ones(2), torch.ones(3)], "r": helpers.Record(torch.zeros(1))}
-    out, mover = _move._move(tree, META, True, None, False, _move.COALESCE_MAX_BYTES, False)
+    out, mover = moved(tree, META)
     made = {id(t) for t in mover.outputs()}
     assert {id(out["x"][0]), id(out["x"][1]), id(out["r"].a)} <= made
     assert len(made) == len(mover.outputs())  # each once
 
 
-def test_after_a_batch_already_in_place_the_next_is_walked(flat_move: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[bool] = []
-    real = _move._flat_move
-    monkeypatch.setattr(_move, "_flat_move", lambda m, o: calls.append(True) or real(m, o))
-    tree = {"x": [torch.ones(2) for _ in range(3)]}
-    todevice.move(tree, "cpu")  # flat, and every tensor was in place
-    todevice.move(tree, "cpu")  # walked: cheaper for a batch in place
-    todevice.move(tree, "meta")  # walked, and it copied
-    todevice.move(tree, "meta")  # flat again
-    assert len(calls) == 2
-
-
-def test_a_tensor_met_again_after_a_tied_one_is_the_same_result(flat_move: Any) -> None:
+def test_a_tensor_met_again_after_a_tied_one_is_the_same_result() -> None:
     t = torch.ones(3)
     for tree in ({"a": t.detach(), "b": t, "c": t}, {"t": t, "x": [helpers.Record(t.detach()), helpers.Record(t)]}):
-        flat_move()
         out = todevice.move(tree, "meta")
         if "b" in out:
             assert out["b"] is out["c"]
@@ -894,7 +864,7 @@ def test_a_tensor_met_again_after_a_tied_one_is_the_same_result(flat_move: Any) 
             assert out["t"] is out["x"][1].a
 
 
-def test_a_batch_whose_objects_hold_its_tensors_is_copied_once(flat_move: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_whose_objects_hold_its_tensors_is_copied_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = torch.Tensor.to
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
@@ -902,19 +872,19 @@ def test_a_batch_whose_objects_hold_its_tensors_is_copied_once(flat_move: Any, m
     for _ in range(3):
         calls.clear()
         tree = {"a": a, "b": x, "r": helpers.Record(a)}
-        out, mover = _move._move(tree, META, True, None, False, _move.COALESCE_MAX_BYTES, False)
+        out, mover = moved(tree, META)
         assert len(calls) == 2 and out["r"].a is out["a"]
         assert {id(t) for t in mover.outputs()} == {id(out["a"]), id(out["b"])}
 
 
-def test_a_cycle_through_an_object_is_reported_from_the_top(flat_move: Any) -> None:
+def test_a_cycle_through_an_object_is_reported_from_the_top() -> None:
     root: dict[str, Any] = {"x": torch.ones(2), "rec": None}
     root["rec"] = helpers.Record(a=[root], b=1)
     with pytest.raises(ValueError, match=r"the dict at the top level contains itself at \['rec'\]\.a\[0\]"):
         todevice.move(root, "meta")
 
 
-def test_dict_keys_are_the_batch_s_own_objects(flat_move: Any) -> None:
+def test_dict_keys_are_the_batch_s_own_objects() -> None:
     for i in range(5):
         key, big = "".join(["ke", "y"]), int("12345678901234567890")  # new objects for every batch
         out = todevice.move({key: torch.ones(2) * i, big: torch.zeros(1)}, "meta")

@@ -11,7 +11,7 @@ import torch
 
 import todevice
 from tests import helpers
-from todevice import _tree
+from todevice import _tree, _walk
 
 META = torch.device("meta")
 
@@ -152,9 +152,9 @@ def test_threads_register_and_move_at_the_same_time() -> None:
     assert errors == []
 
 
-def test_walk_paths_lists_every_path() -> None:
+def test_paths_lists_every_path() -> None:
     tree = {"x": [1, helpers.Record(2, (3,))], "d": helpers.TaggedDict("t", {"k": 4})}
-    paths = [p for p, _ in _tree.walk_paths(tree)]
+    paths = [p for p, _ in _walk.paths(tree)]
     assert paths == [
         "",
         "['x']",

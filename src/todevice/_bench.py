@@ -1,7 +1,7 @@
-"""The traversal benchmark: move() against the hand-written helper and the peers, in one run.
+"""The benchmarks: move() against the hand-written helper and the peers, the transfer engine, the DataLoader.
 
 Shipped inside the package so that ``python -m todevice bench`` works wherever todevice is
-installed; ``bench/bench_overhead.py`` runs the same code with more rounds and writes JSON.
+installed; the scripts in ``bench/`` run the same code with more rounds and write JSON.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
 
 import todevice
-from todevice import _stream
+from todevice import _layout, _stream, _walk
 
 
 def recursive_to_device(data: Any, device: Any) -> Any:
-    """The hand-written helper, as ../shared/seeds/002 writes it (the one every training loop has)."""
+    """The hand-written helper most training loops carry: tensors, lists and dicts, nothing else."""
     if isinstance(data, torch.Tensor):
         return data.to(device)
     elif isinstance(data, list):
@@ -43,23 +43,31 @@ class Sample:
     name: str
 
 
-def nested_batch(n: int = 1000) -> dict[str, Any]:
-    """A nested batch of ``n`` small tensors: dicts, lists, a dataclass and non-tensor leaves."""
-    per_group = 9  # 111 groups of 9 tensors, plus the dataclass's tensors, make 1,000
-    groups = (n - 1) // per_group
+def nested_batch(n: int = 1000, fresh_keys: bool = False) -> dict[str, Any]:
+    """A nested batch of ``n`` small tensors: dicts, lists, a dataclass and non-tensor leaves.
+
+    Groups of 8 tensors (a dict holding a list of 6 float tensors, a bool mask, int ids, a string and
+    an int), a dataclass with 2 tensors, and a list of the tensors left over. With ``fresh_keys``,
+    every dict key is a new string object, as when a batch is built by parsing.
+    """
+
+    def key(text: str) -> str:
+        return "".join(list(text)) if fresh_keys else text
+
+    per_group = 8
+    groups = max(0, (n - 2) // per_group)
     batch: dict[str, Any] = {
-        f"feature_{i}": {
-            "values": [torch.randn(4) for _ in range(per_group - 2)],
-            "mask": torch.ones(4, dtype=torch.bool),
-            "ids": torch.arange(4),
-            "name": f"f{i}",
-            "count": i,
+        key(f"feature_{i}"): {
+            key("values"): [torch.randn(4) for _ in range(per_group - 2)],
+            key("mask"): torch.ones(4, dtype=torch.bool),
+            key("ids"): torch.arange(4),
+            key("name"): f"f{i}",
+            key("count"): i,
         }
         for i in range(groups)
     }
-    batch["sample"] = Sample(torch.randn(3, 8, 8), torch.tensor(1), "s0")
-    extra = n - groups * per_group - 2
-    batch["extra"] = [torch.randn(2) for _ in range(extra)]
+    batch[key("sample")] = Sample(torch.randn(3, 8, 8), torch.tensor(1), "s0")
+    batch[key("extra")] = [torch.randn(2) for _ in range(n - groups * per_group - 2)]
     return batch
 
 
@@ -67,50 +75,67 @@ def flat_batch(n: int = 1000) -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(4) for i in range(n)}
 
 
+def small_batches() -> dict[str, Any]:
+    """The batches most training loops carry: a tensor, an (input, target) pair, a tokenizer's output."""
+    return {
+        "1 tensor": torch.randn(8, 16),
+        "[x, y]": [torch.randn(8, 16), torch.randint(0, 10, (8,))],
+        "tokenizer dict (3 keys)": {
+            "input_ids": torch.randint(0, 30000, (8, 128)),
+            "attention_mask": torch.ones(8, 128, dtype=torch.int64),
+            "labels": torch.randint(0, 2, (8,)),
+        },
+    }
+
+
 def count_tensors(tree: Any, device: torch.device) -> tuple[int, int]:
     """(tensors on ``device``, all tensors), looking inside dataclasses too."""
-    leaves = optree.tree_leaves(tree, is_leaf=dataclasses.is_dataclass)
     on, total = 0, 0
-    for leaf in leaves:
-        inner = [getattr(leaf, f.name) for f in dataclasses.fields(leaf)] if dataclasses.is_dataclass(leaf) else [leaf]
-        for t in inner:
-            if isinstance(t, torch.Tensor):
-                total += 1
-                on += t.device == device
+    for _, node in _walk.paths(tree, revisit=True):
+        if isinstance(node, torch.Tensor):
+            total += 1
+            on += node.device == device
     return on, total
 
 
-def contenders() -> dict[str, Callable[[Any, torch.device], Any]]:
-    """Every function to time, by name; peers only when they are installed."""
+HELPER = "hand-written helper"
+
+
+def contenders() -> tuple[dict[str, Callable[[Any, torch.device], Any]], list[str]]:
+    """Every function to time, by name, and the peers not installed."""
     found: dict[str, Callable[[Any, torch.device], Any]] = {
         "todevice.move": lambda tree, dev: todevice.move(tree, dev),
-        "hand-written helper": recursive_to_device,
-        "optree.tree_map(.to)": lambda tree, dev: optree.tree_map(
+        HELPER: recursive_to_device,
+        "optree.tree_map": lambda tree, dev: optree.tree_map(
             lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, tree
         ),
     }
+    missing: list[str] = []
     try:
         from lightning_fabric.utilities.apply_func import move_data_to_device
 
-        found["Lightning move_data_to_device"] = move_data_to_device
+        found["Lightning"] = move_data_to_device
     except ImportError:
-        pass
+        missing.append("Lightning (pip install pytorch-lightning)")
     try:
         from accelerate.utils import send_to_device
 
-        found["accelerate send_to_device"] = send_to_device
+        found["accelerate"] = send_to_device
     except ImportError:
-        pass
-    return found
+        missing.append("accelerate (pip install accelerate)")
+    return found, missing
 
 
-def interleaved(funcs: Mapping[str, Callable[[], Any]], rounds: int, rng: random.Random) -> dict[str, list[float]]:
-    """Seconds per call of each function: one call per sample, the order shuffled every round.
+def interleaved(
+    funcs: Mapping[str, Callable[[], Any]],
+    rounds: int,
+    rng: random.Random,
+    setup: Callable[[], Any] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, medians over ``rounds``; the order shuffled every round.
 
-    One call per sample, as a training loop makes one call per step between other work: calling the
-    same function back to back flatters whoever allocates least (the allocator's free lists stay
-    hot). The shuffle keeps any one function from always running first, or right after another.
-    The garbage collector is off during the rounds.
+    The shuffle keeps any one function from always running first, or right after another.
+    ``setup`` runs, untimed, before each timed call. The garbage collector is off during the rounds.
     """
     times: dict[str, list[float]] = {name: [] for name in funcs}
     gc.collect()
@@ -120,12 +145,32 @@ def interleaved(funcs: Mapping[str, Callable[[], Any]], rounds: int, rng: random
             order = list(funcs)
             rng.shuffle(order)
             for name in order:
+                if setup is not None:
+                    setup()
                 start = time.perf_counter()
                 funcs[name]()
                 times[name].append(time.perf_counter() - start)
     finally:
         gc.enable()
     return times
+
+
+def _repeat(fn: Callable[[Any, torch.device], Any], trees: Sequence[Any], dev: torch.device) -> Callable[[], None]:
+    """One timed sample: ``fn`` on each of ``trees``. Calls under a few microseconds are timed several at a time."""
+
+    def sample() -> None:
+        for tree in trees:
+            fn(tree, dev)
+
+    return sample
+
+
+def _per_sample(fn: Callable[[], Any]) -> int:
+    """How many calls make a sample of about 50 us: a lone call of 0.3 us is below the clock's noise."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    return max(1, min(1000, int(50e-6 / max(time.perf_counter() - start, 1e-9))))
 
 
 def script(doc: str | None, run: Callable[..., Any], name: str, **defaults: int) -> None:
@@ -148,33 +193,83 @@ def write_json(json_path: str | None, result: dict[str, Any]) -> None:
         print(f"wrote {json_path}")
 
 
-def run(rounds: int = 30, n: int = 1000, seed: int = 0) -> list[dict[str, Any]]:
-    """Time every contender on every workload and target; interleaved rounds, medians."""
+# The helper's time / move()'s time that move() aims for, by target and batch size.
+def _target(target: str, tensors: int) -> float:
+    if tensors == 1:
+        return 0.75
+    if target == "meta":
+        return 0.9
+    return 1.0 if tensors < 100 else 2.0
+
+
+def run(rounds: int = 30, sizes: Sequence[int] = (10, 100, 1000, 10_000), seed: int = 0) -> list[dict[str, Any]]:
+    """Every contender on every batch and target, interleaved; medians per call."""
     rng = random.Random(seed)
-    workloads = {"nested batch": nested_batch(n), "flat dict": flat_batch(n)}
-    targets = [torch.device("cpu"), torch.device("meta")]
-    funcs = contenders()
+    batches = small_batches()
+    for n in sizes:
+        batches[f"flat dict, {n:,}"] = flat_batch(n)
+        batches[f"nested with a dataclass, {n:,}"] = nested_batch(n)
+    funcs, _ = contenders()
     rows: list[dict[str, Any]] = []
-    for wname, tree in workloads.items():
-        for dev in targets:
+    for bname, tree in batches.items():
+        for dev in (torch.device("cpu"), torch.device("meta")):
             moved = {name: count_tensors(fn(tree, dev), dev) for name, fn in funcs.items()}  # also warms up
-            calls = {name: functools.partial(fn, tree, dev) for name, fn in funcs.items()}
-            times = interleaved(calls, rounds, rng)
-            base = statistics.median(times["todevice.move"])
-            for name in funcs:
-                med = statistics.median(times[name])
-                on, total = moved[name]
-                rows.append(
-                    {
-                        "workload": wname,
-                        "target": str(dev),
-                        "contender": name,
-                        "median_us": med * 1e6,
-                        "x_move_time": med / base,
-                        "tensors_on_target": on,
-                        "tensors": total,
-                    }
-                )
+            number = _per_sample(_repeat(recursive_to_device, [tree], dev))
+            calls = {name: _repeat(fn, [tree] * number, dev) for name, fn in funcs.items()}
+            rows.append(_row(bname, str(dev), interleaved(calls, rounds, rng), number, moved))
+    rows.extend(_history_rows(rounds, rng, funcs))
+    return rows
+
+
+def _row(
+    batch: str, target: str, times: dict[str, list[float]], number: int, moved: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    us = {name: statistics.median(t) / number * 1e6 for name, t in times.items()}
+    tensors = moved[HELPER][1]
+    return {
+        "batch": batch,
+        "target": target,
+        "tensors": tensors,
+        "median_us": us,
+        "x_vs_move": {name: t / us["todevice.move"] for name, t in us.items()},
+        "tensors_on_target": {name: on for name, (on, _) in moved.items()},
+        "target_x_helper": _target(target, tensors),
+    }
+
+
+def _history_rows(
+    rounds: int, rng: random.Random, funcs: dict[str, Callable[[Any, torch.device], Any]]
+) -> list[dict[str, Any]]:
+    """Cost that might depend on what ran before, and batches whose dict keys are new objects every call."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    batch, other = nested_batch(1000), flat_batch(1000)
+    pair = {
+        "todevice.move": _repeat(funcs["todevice.move"], [batch], cpu),
+        HELPER: _repeat(recursive_to_device, [batch], cpu),
+    }
+    counted = {name: (1001, 1001) for name in pair}
+    rows = []
+    for label, before, where in (("back to back", batch, cpu), ("right after a move of another batch", other, meta)):
+        times = interleaved(pair, rounds, rng, setup=functools.partial(todevice.move, before, where))
+        rows.append(_row(f"in place, nested 1,000, {label}", "cpu", times, 1, counted))
+    for dev in (cpu, meta):
+        fresh: list[Any] = [None]
+
+        def new_keys(fresh: list[Any] = fresh) -> None:
+            fresh[0] = nested_batch(100, fresh_keys=True)
+
+        def on_fresh(
+            fn: Callable[[Any, torch.device], Any], fresh: list[Any] = fresh, dev: torch.device = dev
+        ) -> Callable[[], Any]:
+            def call() -> Any:
+                return fn(fresh[0], dev)
+
+            return call
+
+        new_keys()
+        moved = {name: count_tensors(fn(fresh[0], dev), dev) for name, fn in funcs.items()}
+        times = interleaved({name: on_fresh(fn) for name, fn in funcs.items()}, rounds, rng, setup=new_keys)
+        rows.append(_row("nested 100, new dict keys every call", str(dev), times, 1, moved))
     return rows
 
 
@@ -186,22 +281,24 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The traversal table: one line per (workload, target, contender)."""
-    columns = ["workload", "target", "contender", ">median (us)", ">time / move() time", ">tensors on target"]
-    return markdown(
-        columns,
-        [
+    """One line per (batch, target): move()'s time, and each contender's time over move()'s."""
+    others = [name for name in rows[0]["median_us"] if name != "todevice.move"]
+    columns = ["batch", "target", ">move() (us)", *[f">{name}" for name in others], ">target", ">moved (move/helper)"]
+    lines = []
+    for r in rows:
+        x = r["x_vs_move"]
+        on = r["tensors_on_target"]
+        lines.append(
             [
-                r["workload"],
+                r["batch"],
                 r["target"],
-                r["contender"],
-                f"{r['median_us']:.0f}",
-                f"{r['x_move_time']:.2f}x",
-                f"{r['tensors_on_target']}/{r['tensors']}",
+                f"{r['median_us']['todevice.move']:.1f}",
+                *[f"{x[name]:.2f}x" if name in x else "-" for name in others],
+                f">= {r['target_x_helper']:.2f}x",
+                f"{on['todevice.move']}/{on[HELPER]} of {r['tensors']}",
             ]
-            for r in rows
-        ],
-    )
+        )
+    return markdown(columns, lines)
 
 
 def environment() -> dict[str, Any]:
@@ -215,12 +312,19 @@ def environment() -> dict[str, Any]:
     }
 
 
-def main(rounds: int = 30, json_path: str | None = None) -> list[dict[str, Any]]:
-    rows = run(rounds=rounds)
+def main(
+    rounds: int = 30, json_path: str | None = None, sizes: Sequence[int] = (10, 100, 1000, 10_000)
+) -> list[dict[str, Any]]:
+    _, missing = contenders()
+    rows = run(rounds=rounds, sizes=sizes)
     print(
-        "Traversal overhead, 1,000 tensors. 'cpu': tensors already there (pure traversal); "
-        "'meta': every tensor copied. Medians of interleaved rounds; lower time is better."
+        "move() against the hand-written helper and the peers. 'cpu': tensors already there (the cost of the "
+        "walk); 'meta': every tensor copied, with no data. Each contender column is its time over move()'s "
+        "(above 1.00x: move() is faster); 'target' is what move() aims for against the helper. Medians of "
+        "interleaved rounds."
     )
+    if missing:
+        print(f"Not installed, so not timed: {', '.join(missing)}.")
     print(table(rows))
     write_json(json_path, {"rows": rows})
     return rows
@@ -246,9 +350,7 @@ def mixed_small_batch(n: int = 1000) -> dict[str, Any]:
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    from todevice import _tree
-
-    return [node for _, node in _tree.walk_paths(tree) if isinstance(node, torch.Tensor)]
+    return [node for _, node in _walk.paths(tree) if isinstance(node, torch.Tensor)]
 
 
 def host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
@@ -317,11 +419,9 @@ def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
         return statistics.median(samples)
 
     rows: list[dict[str, Any]] = []
-    from todevice import _pack
-
-    limit = _pack.pinning.empty(256 * 1024 * 1024)  # page-locked where the backend has it
+    limit = _layout.staging(256 * 1024 * 1024, pinned=True)  # page-locked where the backend has it
     single = timed(lambda: limit.to(dev, non_blocking=True))
-    pinned = "pinned" if _pack.pinning.available else "pageable (no pinned memory here)"
+    pinned = "pinned" if limit.is_pinned() else "pageable (no pinned memory here)"
     rows.append(
         {
             "workload": f"one {pinned} 256 MiB copy (the link's practical limit)",
@@ -377,11 +477,9 @@ class _ManySmall(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def _storages(batch: Any) -> int:
     """Tensor storages in a batch as the main process receives it: one segment and one fd each."""
-    from todevice import _pack, _tree
-
-    if isinstance(batch, _pack.PackedBatch):
+    if isinstance(batch, todevice.PackedBatch):
         return 1 + batch.loose
-    ptrs = {node.untyped_storage().data_ptr() for _, node in _tree.walk_paths(batch) if isinstance(node, torch.Tensor)}
+    ptrs = {node.untyped_storage().data_ptr() for _, node in _walk.paths(batch) if isinstance(node, torch.Tensor)}
     return len(ptrs)
 
 

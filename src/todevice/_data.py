@@ -146,10 +146,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         source = iter(self.iterable)
         try:
             for batch in source:
-                if type(batch) is _pack.PackedBatch:  # what collate() hands over: straight to its unpacking
-                    yield _move.unpack(batch, self.device, non_blocking=self.non_blocking)
-                else:
-                    yield _move.move(batch, self.device, non_blocking=self.non_blocking)
+                yield _move.move(batch, self.device, non_blocking=self.non_blocking)
         finally:
             _close(source)
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from todevice import _stream, _tree
+from todevice import _stream, _tree, _walk
 from todevice._stream import DeviceLike
 from todevice.errors import DeviceMismatchError
 
@@ -34,7 +34,7 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
                 yield f"{prefix}{sep}{name}", b
         return
     try:
-        for path, node in _tree.walk_paths(obj, revisit=True):
+        for path, node in _walk.paths(obj, revisit=True):
             if isinstance(node, torch.Tensor):
                 yield prefix + path, node
             elif isinstance(node, nn.Module):
@@ -42,8 +42,8 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             elif _tree.kind_of(type(node)).code == _tree.TO:
                 for part, inner in _inside(node):
                     yield from _tensors(inner, prefix + path + part)
-    except _tree.CycleError as cycle:
-        raise ValueError(_tree.cycle_message(cycle).replace("Cannot move", "Cannot inspect", 1)) from None
+    except _walk.CycleError as cycle:
+        raise ValueError(_walk.cycle_message(cycle, "inspect")) from None
 
 
 def _inside(obj: Any) -> Iterator[tuple[str, Any]]:
@@ -74,7 +74,7 @@ def devices(obj: Any, /) -> dict[str, torch.device]:
 
 
 def _listing(paths: list[str]) -> str:
-    shown = ", ".join(_tree.format_path(p) for p in paths[:SHOWN])
+    shown = ", ".join(_walk.format_path(p) for p in paths[:SHOWN])
     more = len(paths) - SHOWN
     return f"{shown} and {more} more" if more > 0 else shown
 
@@ -219,7 +219,7 @@ def _unregistered(where: str, attr: str, value: torch.Tensor) -> Finding:
 def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Finding]:
     """Tensors, and modules, held in a plain container attribute: Module.to() reaches neither."""
     kind = type(value).__name__
-    for path, node in _tree.walk_paths(value):
+    for path, node in _walk.paths(value):
         if isinstance(node, torch.Tensor) and id(node) not in registered:  # not a view of a parameter (RNNs)
             yield Finding(
                 where + path,

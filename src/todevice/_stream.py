@@ -12,7 +12,7 @@ DeviceLike = Union[str, int, torch.device]
 # Devices that always exist and never need a wait.
 HOST_TYPES = frozenset({"cpu", "meta"})
 
-_resolved: dict[object, torch.device] = {}
+_resolved: dict[object, tuple[torch.device, bool]] = {}
 
 
 def _backend(device_type: str) -> types.ModuleType | None:
@@ -92,17 +92,23 @@ def current_index() -> int:
 def resolve_device(device: DeviceLike) -> torch.device:
     """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached.
 
-    An accelerator named without an index ("cuda") means its current device, as ``.to()`` reads
-    it; the index is filled in on every call, since the current device can change.
+    ``"cpu:0"`` is ``"cpu"``, as tensors say. An accelerator named without an index (``"cuda"``)
+    means its current device, as ``.to()`` reads it; the index is filled in on every call, since the
+    current device can change.
     """
     key = (type(device), device)  # 0, 0.0, False and np.int64(0) are equal as dict keys
     try:
-        dev = _resolved[key]
+        dev, current = _resolved[key]
     except (KeyError, TypeError):
         dev = _check(device)  # raises for an unhashable device, so the key below is hashable
-        _resolved[key] = dev
-    index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
-    if index is None and dev.type not in HOST_TYPES and is_accelerator(dev):
+        if dev.type == "cpu":
+            dev = torch.device("cpu")
+        index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
+        current = index is None and dev.type not in HOST_TYPES and is_accelerator(dev)
+        if len(_resolved) >= 256:  # strings made per call would otherwise pile up
+            _resolved.clear()
+        _resolved[key] = dev, current
+    if current:
         return torch.device(dev.type, current_index())
     return dev
 

@@ -1,10 +1,10 @@
-"""Container rules: which objects are trees, how they come apart and go back together, and paths.
+"""Container rules and the registry: which objects are trees, and how they come apart and go back together.
 
 Every type is classified once and the answer cached in ``_kinds`` (cleared on each registration
-change).  A container kind is a pair of functions in optree's convention,
+change, and bounded). A container kind is a pair of functions in optree's convention,
 ``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, plus ``entry(aux, i)``
-which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``).  The movers in
-``_move`` and the diagnostics here share these functions, so every rule is written once.
+which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``). The walk in ``_walk``
+uses these functions for moving, packing, paths and diagnostics alike, so every rule is written once.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ TO = 3  # an object with its own .to(): moved through it
 MODULE = 4  # an nn.Module: left as it is (its .to() moves in place, mutating the input)
 UNKNOWN = 5  # anything else: passed through, or reported under strict=True
 SLOT = 6  # a hole in a packed structure's skeleton, filled from the packed buffer
+OWN = 7  # an object that tells the walk how it is moved, through its ``_todevice_move_`` (PackedBatch)
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 Unflatten = Callable[[Any, Any], Any]
@@ -113,6 +114,7 @@ class Deferred:
 
     While packing, its children are slots, which a user's unflatten may not expect (it may read a
     child's shape); so the packing walk keeps the pieces, and unpacking calls unflatten with tensors.
+    To the walk it is a container whose unflatten is the registered one, looked up when it runs.
     """
 
     __slots__ = ("aux", "children", "cls")
@@ -122,27 +124,6 @@ class Deferred:
 
     def __reduce__(self) -> tuple[type, tuple[type, Any, list[Any]]]:
         return (type(self), (self.cls, self.aux, self.children))
-
-
-class Flat:
-    """A packed structure in optree's flat form: its treespec, and its leaves with a slot for each tensor.
-
-    ``optree.tree_flatten`` takes a batch of dicts, lists and tuples apart in C++ several times faster
-    than a walk in Python, and ``spec.unflatten`` puts it back faster still. It is used only where
-    optree's rules and todevice's agree on every container in the structure (``flat_node``); the
-    leaves optree does not open (dataclasses, dict subclasses, sets) are walked by todevice's rules.
-    """
-
-    __slots__ = ("leaves", "order", "spec")
-
-    def __init__(self, spec: Any, leaves: list[Any], order: tuple[int, ...] | None = None) -> None:
-        # Without ``order``, ``leaves`` are all the leaves, a slot for each tensor taken. With it,
-        # every tensor leaf was taken and every other leaf is an atom: ``leaves`` holds the atoms, and
-        # the k-th leaf is ``(taken + leaves)[order[k]]``, put together in one C loop.
-        self.spec, self.leaves, self.order = spec, leaves, order
-
-    def __reduce__(self) -> tuple[type, tuple[Any, list[Any], tuple[int, ...] | None]]:
-        return (type(self), (self.spec, self.leaves, self.order))
 
 
 # ---------------------------------------------------------------- built-in containers
@@ -436,13 +417,38 @@ def unregister(cls: type, /) -> None:
 # ---------------------------------------------------------------- classification
 
 
+def _deferred_flatten(d: Deferred) -> tuple[list[Any], Deferred]:
+    return d.children, d
+
+
+def _deferred_unflatten(d: Deferred, children: list[Any]) -> Any:
+    reg = _registry.get(d.cls)
+    if reg is None:
+        name = d.cls.__qualname__
+        msg = (
+            f"Cannot unpack a {name}: it was registered with todevice.register() where it was packed, "
+            f"but not here. Register {name} in this process too."
+        )
+        raise TypeError(msg)
+    return reg.unflatten(d.aux[0], children)
+
+
+def _deferred_entry(d: Deferred, i: int) -> str:
+    return _registered_entry(d.aux, i)
+
+
+_DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry)
+
+
 def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
 
 
 def _classify(tp: type) -> Kind:
-    if tp is Slot or tp is AliasSlot or tp is Deferred or tp is Flat:
+    if tp is Slot or tp is AliasSlot:
         return Kind(SLOT)
+    if tp is Deferred:
+        return _DEFERRED
     reg = _registry.get(tp)
     if reg is not None:
         return Kind(NODE, _registered_flatten(reg.flatten), _registered_unflatten(reg.unflatten), _registered_entry)
@@ -455,6 +461,8 @@ def _classify(tp: type) -> Kind:
         return Kind(ATOM)
     if issubclass(tp, torch.nn.Module):
         return Kind(MODULE)
+    if callable(getattr(tp, "_todevice_move_", None)):
+        return Kind(OWN)
     if _has_to(tp):
         return Kind(TO)
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
@@ -464,6 +472,11 @@ def _classify(tp: type) -> Kind:
     if dataclasses.is_dataclass(tp) or _container_base(tp) is not None:
         return Kind(NODE, _object_flatten, _object_unflatten, _object_entry)
     return Kind(UNKNOWN)
+
+
+# Types classified, at most this many: classes made per batch (a namedtuple or dataclass defined in a
+# function) would otherwise stay alive here forever.
+_KINDS_KEPT = 4096
 
 
 def kind_of(tp: type) -> Kind:
@@ -477,6 +490,8 @@ def kind_of(tp: type) -> Kind:
         kind = _classify(tp)
         with _lock:
             if _generation[0] == generation:
+                if len(_kinds) >= _KINDS_KEPT:
+                    _kinds.clear()
                 _kinds[tp] = kind
     return kind
 
@@ -487,108 +502,3 @@ def kind_for_packing(tp: type) -> Kind:
     if kind.code == NODE and tp in _registry:
         return Kind(NODE, kind.flatten, lambda aux, children: Deferred(tp, aux, children), kind.entry)
     return kind
-
-
-FLAT_BUILTINS: frozenset[type] = frozenset(
-    {type(None), dict, list, tuple, collections.OrderedDict, collections.defaultdict, collections.deque}
-)
-
-
-def flat_node(tp: type, kind: optree.PyTreeKind) -> bool:
-    """Whether optree takes a ``tp`` node (of optree's ``kind``) apart and rebuilds it exactly as todevice does.
-
-    A ``Flat`` skeleton may hold only such nodes. It is flattened in optree's global namespace, so a
-    type registered with todevice is a leaf there, walked by todevice's rules; a node optree opens as
-    a custom one was registered with optree itself, maybe otherwise. optree rebuilds a namedtuple
-    with ``tp(*children)`` and todevice with ``tp._make(children)``: the same for the class that
-    ``namedtuple()`` made, not for a subclass with its own ``__new__``, ``__init__`` or ``_make``.
-    A namedtuple with a ``.to()`` is an object to todevice.
-    """
-    if kind == optree.PyTreeKind.CUSTOM or tp in _registry:
-        return False
-    if tp in FLAT_BUILTINS:
-        return True
-    unflatten = kind_of(tp).unflatten
-    if kind == optree.PyTreeKind.STRUCTSEQUENCE:
-        return unflatten is _structseq_unflatten
-    if kind != optree.PyTreeKind.NAMEDTUPLE or unflatten is not _namedtuple_unflatten:
-        return False
-    for klass in tp.__mro__:
-        if klass is tuple:
-            break
-        own = vars(klass)
-        made_by_namedtuple = klass.__bases__ == (tuple,) and "_fields" in own
-        if not made_by_namedtuple and ("__new__" in own or "__init__" in own or "_make" in own):
-            return False
-    return True
-
-
-# ---------------------------------------------------------------- paths and diagnostics
-
-
-def format_path(path: str) -> str:
-    """A path for messages; the root object itself has the empty path."""
-    return path if path else "the top level"
-
-
-def walk_paths(obj: Any, *, revisit: bool = False) -> Iterator[tuple[str, Any]]:
-    """Every (path, object) pair below ``obj``, depth first, without recursion.
-
-    A container reached more than once is walked once, or at each place with ``revisit``; a
-    container that contains itself raises ``CycleError`` with the path of the repeat.
-    """
-    stack: list[tuple[str, Any, bool]] = [("", obj, False)]
-    on_path: dict[int, str] = {}
-    # Finished containers, kept alive: a registered flatten may build its children afresh, and the
-    # id of a freed one could be reused by a container not walked yet.
-    done: dict[int, Any] = {}
-    while stack:
-        path, node, leaving = stack.pop()
-        if leaving:
-            del on_path[id(node)]
-            done[id(node)] = node
-            continue
-        yield path, node
-        kind = kind_of(type(node))
-        if kind.code != NODE:
-            continue
-        i = id(node)
-        if i in on_path:
-            raise CycleError(on_path[i], path, node)
-        if i in done and not revisit:
-            continue
-        on_path[i] = path
-        stack.append((path, node, True))
-        assert kind.flatten is not None and kind.entry is not None
-        children, aux = kind.flatten(node)
-        for j in range(len(children) - 1, -1, -1):
-            stack.append((path + kind.entry(aux, j), children[j], False))
-
-
-class CycleError(Exception):
-    """Internal: raised by ``walk_paths`` where a container contains itself."""
-
-    def __init__(self, first: str, repeat: str, node: Any) -> None:
-        super().__init__(repeat)
-        self.first = first
-        self.repeat = repeat
-        self.node = node
-
-
-def find_path(obj: Any, target: Any) -> str | None:
-    """The first path at which ``target`` (by identity) sits inside ``obj``."""
-    try:
-        for path, node in walk_paths(obj):
-            if node is target:
-                return path
-    except CycleError:
-        pass
-    return None
-
-
-def cycle_message(err: CycleError) -> str:
-    return (
-        f"Cannot move a cyclic structure: the {type(err.node).__qualname__} at {format_path(err.first)} "
-        f"contains itself at {err.repeat}. todevice.move() walks trees and shared sub-trees, not cycles; "
-        f"break the cycle (or register the type with a flatten that skips the back reference)."
-    )

@@ -1,0 +1,264 @@
+"""The one walk over a structure: rebuilt leaf by leaf for move() and pack(), or listed by path.
+
+``make`` builds the walk that rebuilds a structure, from what happens to a tensor (``keep`` and
+``tensor``) and to any other leaf (``leaf``); the container rules come from ``_tree``. It recurses,
+and ``run`` falls back to the same walk on an explicit stack (``walk_iteratively``) for nesting
+deeper than Python's recursion limit. ``paths`` lists every ``(path, node)`` of a structure
+by the same rules, for error messages, ``strict=True`` and the diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+
+from todevice import _tree
+
+_Tensor = torch.Tensor
+_NODE, _TENSOR, _ATOM = _tree.NODE, _tree.TENSOR, _tree.ATOM
+
+
+class LeafError(Exception):
+    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path."""
+
+    def __init__(self, leaf: Any, err: BaseException) -> None:
+        super().__init__()
+        self.leaf = leaf
+        self.err = err
+
+
+def guarded(node: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a container's flatten or unflatten: its errors name the node's path."""
+    try:
+        return fn(*args)
+    except RecursionError:
+        raise
+    except Exception as err:
+        raise LeafError(node, err) from err
+
+
+class Walk(NamedTuple):
+    """A walk that rebuilds a structure, made by ``make``: ``walk(x, state)``, and the same on a stack."""
+
+    walk: Callable[[Any, Any], Any]
+    walk_iteratively: Callable[[Any, Any], Any]
+
+
+def make(
+    keep: Callable[[torch.Tensor], bool],
+    tensor: Callable[[torch.Tensor, Any], Any],
+    leaf: Callable[[Any, int, Any], Any],
+    kind_of: Callable[[type], _tree.Kind],
+) -> Walk:
+    """The walk that rebuilds a structure: every container anew, every leaf through these functions.
+
+    ``keep(t)`` says whether a tensor comes back as it is; it is called for every tensor, so it is a
+    C callable where it can be (``attrgetter("is_cpu")``). ``tensor(t, state)`` gives what replaces
+    the others. ``leaf(x, code, state)`` gives what replaces a leaf that is neither a tensor nor an
+    atom, by its ``_tree`` code. ``kind_of`` classifies types. ``state`` is one call's own, passed
+    down as it is: the functions are made once and shared by every call.
+    """
+    atoms = _tree.FAST_ATOMS
+
+    def walk(x: Any, s: Any) -> Any:
+        tp = type(x)
+        if tp is _Tensor:
+            return x if keep(x) else tensor(x, s)
+        # Dicts, lists and tuples handle their leaves inline: a call per leaf would cost as much as
+        # everything else done for a tensor that stays where it is.
+        if tp is dict:
+            return {
+                k: ((v if keep(v) else tensor(v, s)) if type(v) is _Tensor else v if type(v) in atoms else walk(v, s))
+                for k, v in x.items()
+            }
+        if tp is list:
+            return [
+                (v if keep(v) else tensor(v, s)) if type(v) is _Tensor else v if type(v) in atoms else walk(v, s)
+                for v in x
+            ]
+        if tp is tuple:
+            return tuple(
+                [
+                    (v if keep(v) else tensor(v, s)) if type(v) is _Tensor else v if type(v) in atoms else walk(v, s)
+                    for v in x
+                ]
+            )
+        if tp in atoms:
+            return x
+        kind = kind_of(tp)
+        code = kind.code
+        if code == _NODE:
+            children, aux = guarded(x, kind.flatten, x)  # type: ignore[arg-type]
+            return guarded(x, kind.unflatten, aux, [walk(c, s) for c in children])  # type: ignore[arg-type]
+        if code == _TENSOR:
+            return x if keep(x) else tensor(x, s)
+        if code == _ATOM:
+            return x
+        return leaf(x, code, s)
+
+    def walk_iteratively(obj: Any, s: Any) -> Any:
+        """The same walk with an explicit stack, for structures nested deeper than Python recursion."""
+        result: list[Any] = []
+        # Frames: [node, kind, children, aux, next child index, results so far].
+        stack: list[list[Any]] = []
+
+        def enter(x: Any) -> None:
+            """Push a frame for a container; a leaf goes straight into ``result``."""
+            kind = kind_of(type(x))
+            if kind.code != _NODE:
+                result.append(walk(x, s))  # a leaf: the walk does not recurse
+                return
+            children, aux = guarded(x, kind.flatten, x)  # type: ignore[arg-type]
+            stack.append([x, kind, children, aux, 0, []])
+
+        enter(obj)
+        while stack:
+            frame = stack[-1]
+            x, kind, children, aux, k, done = frame
+            if k < len(children):
+                frame[4] = k + 1
+                depth = len(stack)
+                enter(children[k])
+                if len(stack) == depth:  # a leaf was moved, not a frame pushed
+                    done.append(result.pop())
+                continue
+            stack.pop()
+            out = guarded(x, kind.unflatten, aux, done)
+            if stack:
+                stack[-1][5].append(out)
+            else:
+                result.append(out)
+        return result[0]
+
+    return Walk(walk, walk_iteratively)
+
+
+def run(w: Walk, x: Any, s: Any, original: Any, dev: torch.device | None, verb: str = "move") -> Any:
+    """``w.walk(x, s)``, past Python's recursion limit too, with errors that name paths in ``original``."""
+    try:
+        try:
+            return w.walk(x, s)
+        except RecursionError as err:
+            try:
+                for _ in paths(x):  # a cycle would never end: it raises CycleError first
+                    pass
+            except CycleError as cycle:
+                raise ValueError(cycle_message(cycle, verb)) from err
+            return w.walk_iteratively(x, s)
+    except LeafError as failure:
+        explain(failure, original, dev, verb, also=x)
+
+
+# ---------------------------------------------------------------- paths
+
+
+def format_path(path: str) -> str:
+    """A path for messages; the root object itself has the empty path."""
+    return path if path else "the top level"
+
+
+class CycleError(Exception):
+    """Internal: raised by ``paths`` where a container contains itself."""
+
+    def __init__(self, first: str, repeat: str, node: Any) -> None:
+        super().__init__(repeat)
+        self.first = first
+        self.repeat = repeat
+        self.node = node
+
+
+def paths(obj: Any, *, revisit: bool = False) -> Iterator[tuple[str, Any]]:
+    """Every (path, object) pair below ``obj``, depth first, without recursion.
+
+    A container reached more than once is listed once, or at each place with ``revisit``; a
+    container that contains itself raises ``CycleError`` with the path of the repeat.
+    """
+    stack: list[tuple[str, Any, bool]] = [("", obj, False)]
+    on_path: dict[int, str] = {}
+    # Finished containers, kept alive: a registered flatten may build its children afresh, and the
+    # id of a freed one could be reused by a container not walked yet.
+    done: dict[int, Any] = {}
+    while stack:
+        path, node, leaving = stack.pop()
+        if leaving:
+            del on_path[id(node)]
+            done[id(node)] = node
+            continue
+        yield path, node
+        kind = _tree.kind_of(type(node))
+        if kind.code != _NODE:
+            continue
+        i = id(node)
+        if i in on_path:
+            raise CycleError(on_path[i], path, node)
+        if i in done and not revisit:
+            continue
+        on_path[i] = path
+        stack.append((path, node, True))
+        assert kind.flatten is not None and kind.entry is not None
+        children, aux = kind.flatten(node)
+        for j in range(len(children) - 1, -1, -1):
+            stack.append((path + kind.entry(aux, j), children[j], False))
+
+
+def find_path(obj: Any, target: Any) -> str | None:
+    """The first path at which ``target`` (by identity) sits inside ``obj``."""
+    try:
+        for path, node in paths(obj):
+            if node is target:
+                return path
+    except CycleError:
+        pass
+    return None
+
+
+def cycle_message(err: CycleError, verb: str = "move") -> str:
+    return (
+        f"Cannot {verb} a cyclic structure: the {type(err.node).__qualname__} at {format_path(err.first)} "
+        f"contains itself at {err.repeat}. todevice walks trees and shared sub-trees, not cycles; "
+        f"break the cycle (or register the type with a flatten that skips the back reference)."
+    )
+
+
+def describe(leaf: Any) -> str:
+    if type(leaf) is _tree.Deferred:
+        return leaf.cls.__qualname__
+    if isinstance(leaf, torch.Tensor):
+        try:
+            shape = f"of shape {tuple(leaf.shape)}"
+        except RuntimeError:  # a nested tensor has no single shape
+            shape = "nested"
+        return f"{type(leaf).__qualname__} {shape}, {leaf.dtype}, on {leaf.device}"
+    return type(leaf).__qualname__
+
+
+def raise_with_message(err: BaseException, msg: str) -> NoReturn:
+    """Raise the same kind of error with ``msg``, the original as its cause.
+
+    An exception type whose constructor wants other arguments is raised as it is, ``msg`` added as
+    a note where Python has notes.
+    """
+    try:
+        new = type(err)(msg)
+    except Exception:
+        new = None
+    if isinstance(new, BaseException):
+        raise new from err
+    if hasattr(err, "add_note"):
+        err.add_note(msg)
+    raise err
+
+
+def explain(
+    failure: LeafError, original: Any, dev: torch.device | None, verb: str = "move", also: Any = None
+) -> NoReturn:
+    """Raise a leaf's error again, with the leaf's path inside ``original`` (or ``also``) in the message."""
+    leaf, cause = failure.leaf, failure.err
+    path = find_path(original, leaf)
+    if path is None and also is not None:
+        path = find_path(also, leaf)  # a node only the skeleton of a packed batch holds
+    where = format_path(path or "")
+    target = f" to {dev}" if dev is not None else ""
+    raise_with_message(cause, f"Cannot {verb} {where} ({describe(leaf)}){target}: {cause}")
