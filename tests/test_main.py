@@ -27,14 +27,13 @@ def test_info_prints_versions_accelerators_pinning_and_default_device() -> None:
 def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     path = tmp_path / "overhead.json"
     out = run("bench", "--rounds", "1", "--batches", "2", "--json", str(path))
-    assert "| nested batch | cpu | todevice.move |" in out
-    assert "| flat dict | meta | hand-written helper |" in out
+    assert "| nested with a dataclass, 1,000 | cpu |" in out
+    assert "| 1 tensor | meta |" in out
     data = json.loads(path.read_text())
-    cells = {(r["workload"], r["target"], r["contender"]) for r in data["rows"]}
-    assert ("nested batch", "meta", "todevice.move") in cells
-    assert all(r["median_us"] > 0 for r in data["rows"])
-    moved = [r for r in data["rows"] if r["contender"] == "todevice.move"]
-    assert all(r["tensors_on_target"] == r["tensors"] for r in moved)
+    cells = {(r["batch"], r["target"]) for r in data["rows"]}
+    assert ("tokenizer dict (3 keys)", "cpu") in cells and ("flat dict, 10,000", "meta") in cells
+    assert all(r["median_us"]["todevice.move"] > 0 and r["median_us"]["hand-written helper"] > 0 for r in data["rows"])
+    assert all(r["tensors_on_target"]["todevice.move"] == r["tensors"] for r in data["rows"])
     assert {r["contender"] for r in data["transfer"]["host"]} >= {"pack(batch).unpack()", "per-leaf .to('meta')"}
     assert {r["tensors_per_sample"] for r in data["loader"]} == {10, 100, 400}
     assert "| 100 | todevice.collate() + prefetch(..., 'cpu') |" in out

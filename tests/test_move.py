@@ -22,7 +22,7 @@ def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coa
     """move()'s walk, and the state it left (its memo, its outputs)."""
     p = _move.plan(device, True, dtype)
     state = _move.State(p)
-    out = _move._coalesced(tree, state, _move.COALESCE_MAX_BYTES) if coalesce else p.walk.walk(tree, state)
+    out = _move._coalesced(tree, state, _move.COALESCE_MAX_BYTES) if coalesce else _move._run(tree, state, tree)
     return out, state
 
 
@@ -864,7 +864,9 @@ def test_a_tensor_met_again_after_a_tied_one_is_the_same_result() -> None:
             assert out["t"] is out["x"][1].a
 
 
-def test_a_batch_whose_objects_hold_its_tensors_is_copied_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_whose_objects_hold_its_tensors_is_moved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host target the first walk copies without a memo; a tensor it met twice costs one copy more,
+    then the walk runs again with the memo and reuses the copies (tests/backend: once, to a device)."""
     calls: list[int] = []
     real = torch.Tensor.to
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
@@ -873,8 +875,11 @@ def test_a_batch_whose_objects_hold_its_tensors_is_copied_once(monkeypatch: pyte
         calls.clear()
         tree = {"a": a, "b": x, "r": helpers.Record(a)}
         out, mover = moved(tree, META)
-        assert len(calls) == 2 and out["r"].a is out["a"]
+        assert len(calls) == 3 and out["r"].a is out["a"]
         assert {id(t) for t in mover.outputs()} == {id(out["a"]), id(out["b"])}
+    calls.clear()
+    out, mover = moved({"a": a, "b": x, "r": helpers.Record(torch.ones(4))}, META)  # nothing met twice: one walk
+    assert len(calls) == 3 and len(mover.outputs()) == 3
 
 
 def test_a_cycle_through_an_object_is_reported_from_the_top() -> None:

@@ -247,7 +247,7 @@ def _history_rows(
         "todevice.move": _repeat(funcs["todevice.move"], [batch], cpu),
         HELPER: _repeat(recursive_to_device, [batch], cpu),
     }
-    counted = {name: (1001, 1001) for name in pair}
+    counted = {name: count_tensors(fn(batch, cpu), cpu) for name, fn in funcs.items() if name in pair}
     rows = []
     for label, before, where in (("back to back", batch, cpu), ("right after a move of another batch", other, meta)):
         times = interleaved(pair, rounds, rng, setup=functools.partial(todevice.move, before, where))

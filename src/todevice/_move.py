@@ -6,6 +6,7 @@ import copy
 import functools
 import inspect
 import operator
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -65,7 +66,8 @@ class Plan(NamedTuple):
     dtype: torch.dtype | None
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor
-    walk: _walk.Walk  # the walk that moves a structure, with one call's State
+    walk: _walk.Walk  # the first walk of a move, with one call's State: optimistic on the host
+    careful: _walk.Walk  # the walk with a memo of every tensor, for tensors met twice or over one memory
     coalesce: bool  # coalesce by default: from the host to an accelerator
     to_host: bool  # asynchronous copies land in host memory: wait for them before returning
 
@@ -94,6 +96,18 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
         nb = non_blocking and not (mps and not t.is_pinned())
         return t.to(dev, cast, non_blocking=nb)
 
+    def recorded(t: torch.Tensor, s: State) -> torch.Tensor:
+        """A tensor not in place, moved and recorded: repeats and shared memory are found afterwards, in bulk."""
+        try:
+            out = t.to(dev) if plain else to(t)
+        except RecursionError:
+            raise  # deep nesting: the walk falls back to one with a stack
+        except Exception as err:
+            raise LeafError(t, err) from err
+        s.sources.append(t)  # type: ignore[union-attr]
+        s.results.append(out)
+        return out
+
     def moved(t: torch.Tensor, s: State) -> torch.Tensor:
         """A tensor not in place, moved once, with aliasing and shared memory kept."""
         try:
@@ -104,12 +118,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
             by_ptr = s.by_ptr
             hit = by_ptr.get(ptr)
             if hit is None:  # the common case: the first tensor at this address
-                try:
-                    out = t.to(dev) if plain else to(t)  # inline: this runs once per tensor moved
-                except RecursionError:
-                    raise  # deep nesting: the walk falls back to one with a stack
-                except Exception as err:
-                    raise LeafError(t, err) from err
+                out = _copy(t, s)
                 by_ptr[ptr] = (t, out)
                 return out
             return _again(t, ptr, hit, s)
@@ -117,13 +126,19 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
         if seen is not None:
             prior: torch.Tensor = seen[1]
             return prior
-        out = _to(t, to)
+        out = _copy(t, s)
         s.memo[id(t)] = (t, out)
         return out
 
+    # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the
+    # host the first walk records its copies, and a batch found to repeat one is walked again with
+    # the memo, reusing the copies made: the only waste is a second copy of a repeated tensor, in
+    # host memory for the length of the call. On an accelerator that second copy would hold device
+    # memory, and a copy launch costs far more than the memo: the first walk is the careful one.
     host = dev.type in _stream.HOST_TYPES
-    walk = _walk.make(keep, moved, _leaf, _tree.kind_of)
-    return Plan(dev, non_blocking, dtype, keep, to, walk, not host, dev.type == "cpu" and non_blocking)
+    careful = _walk.make(keep, moved, _leaf, _tree.kind_of)
+    walk = _walk.make(keep, recorded, _leaf, _tree.kind_of) if host else careful
+    return Plan(dev, non_blocking, dtype, keep, to, walk, careful, not host, dev.type == "cpu" and non_blocking)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -143,9 +158,15 @@ def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
     return p
 
 
-def _to(t: torch.Tensor, to: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
+    """``t`` moved: the copy a first, optimistic walk made of it already, or a new one."""
+    made = s.made
+    if made is not None:
+        out = made.get(id(t))
+        if out is not None:
+            return out
     try:
-        return to(t)
+        return s.plan.to(t)
     except RecursionError:
         raise
     except Exception as err:
@@ -153,20 +174,29 @@ def _to(t: torch.Tensor, to: Callable[[torch.Tensor], torch.Tensor]) -> torch.Te
 
 
 class State:
-    """One move's own: the memo that keeps aliasing, what it made, and the views that fill slots.
+    """One move's own: what it copied, the memo that keeps aliasing, what it made, the views that fill slots.
 
-    ``by_ptr`` maps a data_ptr to (source, result), or to a list of them once several tensors share
-    the address: aliasing, and distinct tensors over the same memory. Tensors at address 0 and
-    objects use ``memo``, by id. Both keep sources alive, so ids and addresses stay theirs.
+    An optimistic walk appends every copy to ``sources`` and ``results``. The careful walk keeps the
+    memo: ``by_ptr`` maps a data_ptr to (source, result), or to a list of them once several tensors
+    share the address (aliasing, and distinct tensors over the same memory); tensors at address 0
+    and objects use ``memo``, by id. Each keeps its sources alive, so ids and addresses stay theirs.
     """
 
     views: list[torch.Tensor] | None = None  # the packed tensors, when the walk fills a skeleton
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     wait_all = False  # a .to() object moved to the host: its source device is unknown
+    made: dict[int, torch.Tensor] | None = None  # the optimistic walk's copies, by id of their source
+    by_ptr: dict[int, Any] = types.MappingProxyType({})  # type: ignore[assignment]  # a careful state has its own
 
     def __init__(self, p: Plan) -> None:
         self.plan = p
-        self.by_ptr: dict[int, Any] = {}
+        self.sources: list[torch.Tensor] | None
+        if p.walk is p.careful:
+            self.sources = None
+            self.by_ptr: dict[int, Any] = {}
+        else:
+            self.sources = []
+            self.results: list[torch.Tensor] = []
         self.memo: dict[int, tuple[Any, Any]] = {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
 
@@ -177,9 +207,22 @@ class State:
         out.views = views
         return out
 
+    def careful(self) -> None:
+        """Turn an optimistic state careful, for the careful walk to run again and reuse the copies made."""
+        sources = self.sources
+        if sources is None:
+            return
+        self.made = dict(zip(map(id, reversed(sources)), reversed(self.results)))  # the first copy of each
+        self.sources = None
+        self.by_ptr = {}
+        # .to() objects are not moved again; tensors and packed batches are, with the copies made.
+        self.memo = {k: v for k, v in self.memo.items() if _tree.kind_of(type(v[0])).code == _tree.TO}
+
     def outputs(self) -> list[torch.Tensor]:
         """Every tensor this move made: the coalesced buffers and each tensor copied on its own."""
         outs = list(self.buffers)
+        if self.sources is not None:
+            outs.extend(out for src, out in zip(self.sources, self.results) if out is not src)
         for entry in self.by_ptr.values():
             for src, out in [entry] if type(entry) is tuple else entry:
                 if out is not src:
@@ -189,16 +232,57 @@ class State:
 
     def finish(self) -> None:
         """Wait for copies into host memory, so the caller never reads unfinished data."""
-        if not self.plan.to_host or not (self.by_ptr or self.memo):
+        if not self.plan.to_host or not (self.sources or self.by_ptr or self.memo):
             return
         if self.wait_all:
             _stream.synchronize_accelerator()
             return
         sources = [src for src, _ in self.memo.values() if isinstance(src, torch.Tensor)]
+        sources.extend(self.sources or ())
         for entry in self.by_ptr.values():
             sources.extend(src for src, _ in ([entry] if type(entry) is tuple else entry))
         for dev in {t.device for t in sources if t.device.type not in _stream.HOST_TYPES}:
             _stream.synchronize(dev)
+
+
+_data_ptr = _Tensor.data_ptr
+
+
+def _distinct(sources: list[torch.Tensor]) -> bool:
+    """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
+    try:
+        ptrs = list(map(_data_ptr, sources))
+    except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
+        return False
+    if len(set(ptrs)) == len(ptrs):
+        return True
+    # Meta and empty tensors all sit at address 0 and share nothing: they are told apart by identity.
+    held = [p for p in ptrs if p]
+    empty = [id(t) for t, p in zip(sources, ptrs) if not p]
+    return len(set(held)) == len(held) and len(set(empty)) == len(empty)
+
+
+def _run(x: Any, s: State, original: Any) -> Any:
+    """The walk of a move over ``x``; errors name paths in ``original``.
+
+    On the host the first walk is optimistic: if its copies repeat a tensor or share memory, the
+    careful walk runs again, reusing them. Past Python's recursion limit, the careful walk goes on
+    on a stack.
+    """
+    p = s.plan
+    try:
+        try:
+            out = (p.walk if s.sources is not None else p.careful).walk(x, s)
+            if s.sources and not _distinct(s.sources):
+                s.careful()
+                out = p.careful.walk(x, s)
+            return out
+        except RecursionError as err:
+            _walk.refuse_cycles(x, err)
+            s.careful()
+            return p.careful.walk_iteratively(x, s)
+    except LeafError as failure:
+        _walk.explain(failure, original, p.dev, also=x)
 
 
 def _again(t: torch.Tensor, ptr: int, hit: Any, s: State) -> torch.Tensor:
@@ -216,7 +300,7 @@ def _again(t: torch.Tensor, ptr: int, hit: Any, s: State) -> torch.Tensor:
             out = done.view(done.shape)
             entries.append((t, out))
             return out
-    out = _to(t, s.plan.to)
+    out = _copy(t, s)
     entries.append((t, out))
     return out
 
@@ -356,23 +440,24 @@ def move(
         _check_strict(obj)
     s = State(p)
     if stream is None:
-        out = _walk.run(p.walk, obj, s, obj, p.dev) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
+        out = _run(obj, s, obj) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
     else:
         user = _stream.enter_stream(stream, p.dev)
         s.streams = (user, stream)
         try:
-            out = _walk.run(p.walk, obj, s, obj, p.dev) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
+            out = _run(obj, s, obj) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
         finally:
             _stream.set_stream(user)
         _stream.hand_over(stream, user, s.outputs())
-    s.finish()
+    if p.to_host:
+        s.finish()
     return out  # type: ignore[no-any-return]
 
 
 def _one(t: torch.Tensor, p: Plan) -> torch.Tensor:
     """move() of a bare tensor that is not in place."""
     try:
-        out = _to(t, p.to)
+        out = _copy(t, State(p))
     except LeafError as failure:
         _walk.explain(failure, t, p.dev)
     if p.to_host and not t.is_cpu and not t.is_meta:
@@ -386,15 +471,15 @@ def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
     try:
         taken = _layout.take(obj, max_bytes, p.dtype)
     except RecursionError:
-        return _walk.run(p.walk, obj, s, obj, p.dev)  # deep or cyclic: the walk handles or reports it
+        return _run(obj, s, obj)  # deep or cyclic: the walk handles or reports it
     except LeafError as failure:
         _walk.explain(failure, obj, p.dev)
     if not taken.tensors:
-        return _walk.run(p.walk, obj, s, obj, p.dev)
+        return _run(obj, s, obj)
     staging = _layout.staging(taken.layout.nbytes, pinned=_stream.is_accelerator(p.dev))
     _layout.write(staging, taken.layout, taken.tensors)
     s.views = _send(s, staging, taken.layout)
-    return _walk.run(p.walk, taken.skeleton, s, obj, p.dev)
+    return _run(taken.skeleton, s, obj)
 
 
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
@@ -420,7 +505,7 @@ def unpack(s: State, batch: Any) -> Any:
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
     skeleton = batch.skeleton
-    out = _walk.run(s.plan.walk, skeleton, s.sub(views), skeleton, s.plan.dev)
+    out = _run(skeleton, s.sub(views), skeleton)
     s.memo[id(batch)] = (batch, out)
     return out
 
@@ -438,7 +523,7 @@ def move_on_stream(
     user = _stream.enter_stream(side, dev)
     s.streams = (user, side)
     try:
-        out = _coalesced(batch, s, COALESCE_MAX_BYTES) if p.coalesce else _walk.run(p.walk, batch, s, batch, dev)
+        out = _coalesced(batch, s, COALESCE_MAX_BYTES) if p.coalesce else _run(batch, s, batch)
         copied = _stream.record_event(side, dev)
     finally:
         _stream.set_stream(user)

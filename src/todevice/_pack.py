@@ -44,11 +44,7 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
     except _walk.LeafError as failure:
         _walk.explain(failure, obj, None, verb="pack")
     except RecursionError as err:
-        try:
-            for _ in _walk.paths(obj):
-                pass
-        except _walk.CycleError as cycle:
-            raise ValueError(_walk.cycle_message(cycle, "pack")) from err
+        _walk.refuse_cycles(obj, err, "pack")
         msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
         raise ValueError(msg) from err
     tensors = taken.tensors

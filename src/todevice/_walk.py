@@ -2,8 +2,8 @@
 
 ``make`` builds the walk that rebuilds a structure, from what happens to a tensor (``keep`` and
 ``tensor``) and to any other leaf (``leaf``); the container rules come from ``_tree``. It recurses,
-and ``run`` falls back to the same walk on an explicit stack (``walk_iteratively``) for nesting
-deeper than Python's recursion limit. ``paths`` lists every ``(path, node)`` of a structure
+and the same walk runs on an explicit stack (``walk_iteratively``) for nesting deeper than
+Python's recursion limit. ``paths`` lists every ``(path, node)`` of a structure
 by the same rules, for error messages, ``strict=True`` and the diagnostics.
 """
 
@@ -135,20 +135,13 @@ def make(
     return Walk(walk, walk_iteratively)
 
 
-def run(w: Walk, x: Any, s: Any, original: Any, dev: torch.device | None, verb: str = "move") -> Any:
-    """``w.walk(x, s)``, past Python's recursion limit too, with errors that name paths in ``original``."""
+def refuse_cycles(x: Any, err: RecursionError, verb: str = "move") -> None:
+    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end."""
     try:
-        try:
-            return w.walk(x, s)
-        except RecursionError as err:
-            try:
-                for _ in paths(x):  # a cycle would never end: it raises CycleError first
-                    pass
-            except CycleError as cycle:
-                raise ValueError(cycle_message(cycle, verb)) from err
-            return w.walk_iteratively(x, s)
-    except LeafError as failure:
-        explain(failure, original, dev, verb, also=x)
+        for _ in paths(x):
+            pass
+    except CycleError as cycle:
+        raise ValueError(cycle_message(cycle, verb)) from err
 
 
 # ---------------------------------------------------------------- paths

@@ -52,6 +52,18 @@ def test_without_coalescing_each_leaf_is_a_copy() -> None:
     assert tdtest.COPIES["h2d"] - before == 10
 
 
+def test_a_tensor_met_twice_crosses_once() -> None:
+    t = torch.randn(4)
+    tree = {"a": t, "b": [t], "tied": t.view(4), "other": torch.randn(4)}
+    before = tdtest.COPIES["h2d"]
+    with torch.inference_mode():
+        there = todevice.move(tree, "tdtest", coalesce=False)
+        back = todevice.move(there, "cpu", non_blocking=False)
+    assert tdtest.COPIES["h2d"] - before == 2  # t once (its tied view shares the copy), "other" once
+    assert there["a"] is there["b"][0] and there["tied"] is not there["a"]
+    helpers.assert_same_tree(back, tree, values=True)
+
+
 def test_large_leaves_travel_alone() -> None:
     big = torch.randn(1024)  # 4 KiB, over the threshold given below
     tree = {"big": big, "small": [torch.randn(2) for _ in range(5)]}
