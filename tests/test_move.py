@@ -470,10 +470,10 @@ def test_device_to_host_waits_before_returning(monkeypatch: pytest.MonkeyPatch) 
     class OnAGpu:
         device = torch.device("cuda", 0)
 
-    mover = _move.State(_move.plan(CPU, True, None))
-    mover.by_ptr[1] = (OnAGpu(), torch.ones(1))  # what moving a tensor from cuda:0 leaves in the memo
-    mover.by_ptr[2] = (OnAGpu(), torch.ones(1))
-    mover.finish()
+    state = _move.State(_move.plan(CPU, True, None))
+    state.sources.extend([OnAGpu(), OnAGpu()])  # type: ignore[union-attr]  # what copies from cuda:0 leave
+    state.results.extend([torch.ones(1), torch.ones(1)])
+    state.finish()
     assert synced == [OnAGpu.device]
 
 

@@ -299,8 +299,11 @@ class _Taking:
 
 
 def _take(t: torch.Tensor, s: _Taking) -> Any:
-    """The optimistic take: a slot for every plain dense host tensor (up to ``max_bytes``, needing no grad)."""
-    if type(t) is not _Tensor or not t.is_cpu or t.dtype not in DENSE_DTYPES:
+    """The optimistic take: a slot for every plain host tensor (up to ``max_bytes``, needing no grad).
+
+    Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk.
+    """
+    if type(t) is not _Tensor or not t.is_cpu:
         s.loose.append(t)
         return t
     max_bytes = s.max_bytes
@@ -376,9 +379,12 @@ def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None) -> Taken:
     tensors = taking.tensors
     try:
         # A repeated address means a tensor met twice or memory shared, which the careful walk
-        # sorts out; so does a sparse tensor, which has no data_ptr(), and a nested one, no shape.
+        # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
+        # a quantized one, a dtype a byte buffer does not hold.
         clean = len(set(map(_data_ptr, tensors))) == len(tensors)
         shapes = tuple(map(_shape_of, tensors))
+        dtypes = tuple(map(_dtype_of, tensors))
+        clean = clean and DENSE_DTYPES.issuperset(dtypes)
     except RuntimeError:
         clean = False
     if not clean:
@@ -386,5 +392,6 @@ def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None) -> Taken:
         skeleton = _TAKE_CAREFULLY.walk(obj, taking)
         tensors = taking.tensors
         shapes = tuple(map(_shape_of, tensors))
-    lay = layout(tuple(map(_dtype_of, tensors)), shapes, cast)
+        dtypes = tuple(map(_dtype_of, tensors))
+    lay = layout(dtypes, shapes, cast)
     return Taken(skeleton, tensors, lay, len(taking.loose))

@@ -66,6 +66,7 @@ class Plan(NamedTuple):
     dtype: torch.dtype | None
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor
+    plain: bool  # a copy is ``t.to(dev)``: no cast, and nothing asynchronous
     walk: _walk.Walk  # the first walk of a move, with one call's State: optimistic on the host
     careful: _walk.Walk  # the walk with a memo of every tensor, for tensors met twice or over one memory
     coalesce: bool  # coalesce by default: from the host to an accelerator
@@ -136,9 +137,9 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     # host memory for the length of the call. On an accelerator that second copy would hold device
     # memory, and a copy launch costs far more than the memo: the first walk is the careful one.
     host = dev.type in _stream.HOST_TYPES
-    careful = _walk.make(keep, moved, _leaf, _tree.kind_of)
-    walk = _walk.make(keep, recorded, _leaf, _tree.kind_of) if host else careful
-    return Plan(dev, non_blocking, dtype, keep, to, walk, careful, not host, dev.type == "cpu" and non_blocking)
+    careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot)
+    walk = _walk.make(keep, recorded, _leaf, _tree.kind_of, _slot) if host else careful
+    return Plan(dev, non_blocking, dtype, keep, to, plain, walk, careful, not host, dev.type == "cpu" and non_blocking)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -250,12 +251,17 @@ _data_ptr = _Tensor.data_ptr
 
 def _distinct(sources: list[torch.Tensor]) -> bool:
     """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
+    if len(sources) < 2:
+        return True
     try:
+        if len(sources) == 2:  # a common small batch: no set to build
+            if sources[0].data_ptr() != sources[1].data_ptr():
+                return True
+        elif len(set(map(_data_ptr, sources))) == len(sources):
+            return True
         ptrs = list(map(_data_ptr, sources))
     except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
         return False
-    if len(set(ptrs)) == len(ptrs):
-        return True
     # Meta and empty tensors all sit at address 0 and share nothing: they are told apart by identity.
     held = [p for p in ptrs if p]
     empty = [id(t) for t, p in zip(sources, ptrs) if not p]
@@ -305,11 +311,21 @@ def _again(t: torch.Tensor, ptr: int, hit: Any, s: State) -> torch.Tensor:
     return out
 
 
+def _slot(x: _tree.Slot, s: State) -> torch.Tensor:
+    """A packed batch's slot: its tensor, or for an AliasSlot (a distinct tensor over the same memory) a new view."""
+    views = s.views
+    if views is None:
+        msg = f"Cannot move {x!r}: a slot only means something inside a PackedBatch's skeleton."
+        raise TypeError(msg)
+    view = views[x]
+    return view if type(x) is _tree.Slot else view.view(view.shape)
+
+
 def _leaf(x: Any, code: int, s: State) -> Any:
-    if code == _tree.TO:
-        return _to_object(x, s)
     if code == _tree.SLOT:
         return _slot(x, s)
+    if code == _tree.TO:
+        return _to_object(x, s)
     if code == _tree.OWN:
         return x._todevice_move_(s)
     return x  # nn.Modules and unknown objects: as they are (strict=True reported them before)
@@ -352,18 +368,6 @@ def _to_object(obj: Any, s: State) -> Any:
         s.wait_all = True
     s.memo[id(obj)] = (obj, out)
     return out
-
-
-def _slot(slot: _tree.Slot, s: State) -> torch.Tensor:
-    """A skeleton's slot: the packed tensor, or a new view of it for a distinct tensor over its memory."""
-    views = s.views
-    if views is None:
-        msg = f"Cannot move {slot!r}: a slot only means something inside a PackedBatch's skeleton."
-        raise TypeError(msg)
-    view = views[slot]
-    if type(slot) is _tree.AliasSlot:
-        return view.view(view.shape)
-    return view
 
 
 def move(
@@ -457,9 +461,9 @@ def move(
 def _one(t: torch.Tensor, p: Plan) -> torch.Tensor:
     """move() of a bare tensor that is not in place."""
     try:
-        out = _copy(t, State(p))
-    except LeafError as failure:
-        _walk.explain(failure, t, p.dev)
+        out = t.to(p.dev) if p.plain else p.to(t)
+    except Exception as err:
+        _walk.explain(LeafError(t, err), t, p.dev)
     if p.to_host and not t.is_cpu and not t.is_meta:
         _stream.synchronize(t.device)
     return out

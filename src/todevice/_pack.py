@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 
 from todevice import _layout, _move, _walk
+
+_needs_grad = operator.attrgetter("requires_grad")
 
 
 def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
@@ -48,7 +51,9 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
         msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
         raise ValueError(msg) from err
     tensors = taken.tensors
-    requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
+    requires_grad: tuple[int, ...] = ()
+    if any(map(_needs_grad, tensors)):
+        requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
     for k in requires_grad:
         tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
     nbytes = taken.layout.nbytes

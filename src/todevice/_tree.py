@@ -12,10 +12,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import functools
+import operator
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -206,81 +208,86 @@ def _structseq_unflatten(tp: type, children: list[Any]) -> Any:
 
 # ---------------------------------------------------------------- dataclasses, dict and list subclasses
 
-
-class _ObjectAux(NamedTuple):
-    source: Any  # the original object, whose type and instance attributes the copy keeps
-    fields: list[str]  # dataclass fields present on the object, moved
-    keys: list[Any] | None  # dict keys (dict subclasses), or None
-    base: type | None  # the built-in container base (dict, OrderedDict, defaultdict, list), or None
+_UNSET: Any = object()
+_is_unset = functools.partial(operator.is_, _UNSET)
 
 
-def _object_flatten(obj: Any) -> tuple[list[Any], _ObjectAux]:
-    tp = type(obj)
-    children: list[Any] = []
-    fields: list[str] = []
-    if dataclasses.is_dataclass(tp):
-        missing = object()
-        for f in dataclasses.fields(tp):
-            value = getattr(obj, f.name, missing)
-            if value is not missing:  # an init=False field never set stays unset
-                fields.append(f.name)
-                children.append(value)
+def _object_kind(tp: type) -> Kind:
+    """The rule of a dataclass or a dict or list subclass: worked out once per type.
+
+    The copy is never passed through ``__init__`` or ``__setitem__``: the constructor of a subclass
+    may want other arguments, and frozen dataclasses refuse setattr. It gets the original's instance
+    attributes, then the moved fields and items. Its aux data is (source, fields present, dict keys).
+    """
+    fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
     base = _container_base(tp)
-    keys: list[Any] | None = None
-    if base is not None and issubclass(base, dict):
-        # An OrderedDict keeps its own order, which dict.keys() does not see after move_to_end().
-        keys = list(collections.OrderedDict.keys(obj) if base is collections.OrderedDict else dict.keys(obj))
-        children.extend(dict.__getitem__(obj, k) for k in keys)
-    elif base is list:
-        children.extend(list.__iter__(obj))
-    return children, _ObjectAux(obj, fields, keys, base)
+    mapping = base is not None and issubclass(base, dict)
+    slots = tuple(
+        name for klass in tp.__mro__ for name in _slot_names(klass) if name not in ("__dict__", "__weakref__")
+    )
+    # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
+    # them) are written into it in one call.
+    in_dict = not slots and not any(hasattr(type(getattr(tp, name, None)), "__set__") for name in fields)
+    ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
+    keys_of = collections.OrderedDict.keys if ordered else dict.keys
+    setitem = collections.OrderedDict.__setitem__ if ordered else dict.__setitem__
+    new: Any = tp.__new__
 
+    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[Any] | None]]:
+        children = [getattr(obj, name, _UNSET) for name in fields]
+        present = fields
+        if any(map(_is_unset, children)):  # an init=False field never set stays unset
+            present = tuple(name for name, c in zip(fields, children) if c is not _UNSET)
+            children = [c for c in children if c is not _UNSET]
+        keys: list[Any] | None = None
+        if mapping:
+            keys = list(keys_of(obj))
+            children.extend(dict.__getitem__(obj, k) for k in keys)
+        elif base is list:
+            children.extend(list.__iter__(obj))
+        return children, (obj, present, keys)
 
-def _instance_attributes(obj: Any) -> Iterator[tuple[str, Any]]:
-    state = getattr(obj, "__dict__", None)
-    if state is not None:
-        yield from state.items()
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
+    def unflatten(aux: tuple[Any, tuple[str, ...], list[Any] | None], children: list[Any]) -> Any:
+        src, present, keys = aux
+        out = new(tp)
+        state = getattr(src, "__dict__", None)
+        if state:
+            out.__dict__.update(state)
+        for name in slots:
             try:
-                yield name, object.__getattribute__(obj, name)
-            except AttributeError:
+                object.__setattr__(out, name, object.__getattribute__(src, name))
+            except AttributeError:  # a slot never set
                 continue
+        n = len(present)
+        if in_dict:
+            out.__dict__.update(zip(present, children))
+        else:
+            for name, value in zip(present, children):
+                object.__setattr__(out, name, value)
+        if base is collections.defaultdict:
+            out.default_factory = src.default_factory
+        if keys is not None:
+            for k, v in zip(keys, children[n:]):
+                setitem(out, k, v)
+        elif base is list:
+            list.extend(out, children[n:])
+        return out
+
+    return Kind(NODE, flatten, unflatten, _object_entry)
 
 
-def _object_unflatten(aux: _ObjectAux, children: list[Any]) -> Any:
-    src = aux.source
-    tp: Any = type(src)
-    # A copy that is never passed through __init__ or __setitem__: the constructor of a
-    # subclass may want other arguments, and frozen dataclasses refuse setattr.
-    new = tp.__new__(tp)
-    for name, value in _instance_attributes(src):
-        object.__setattr__(new, name, value)
-    n = len(aux.fields)
-    for name, value in zip(aux.fields, children[:n]):
-        object.__setattr__(new, name, value)
-    rest = children[n:]
-    if aux.base is collections.defaultdict:
-        new.default_factory = src.default_factory
-    if aux.keys is not None:
-        setitem = collections.OrderedDict.__setitem__ if aux.base is collections.OrderedDict else dict.__setitem__
-        for k, v in zip(aux.keys, rest):
-            setitem(new, k, v)
-    elif aux.base is list:
-        list.extend(new, rest)
-    return new
+def _slot_names(klass: type) -> tuple[str, ...]:
+    slots = klass.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
-def _object_entry(aux: _ObjectAux, i: int) -> str:
-    n = len(aux.fields)
-    if i < n:
-        return f".{aux.fields[i]}"
-    if aux.keys is not None:
-        return f"[{aux.keys[i - n]!r}]"
-    return f"[{i - n}]"
+def _object_entry(aux: tuple[Any, tuple[str, ...], list[Any] | None], i: int) -> str:
+    _, present, keys = aux
+    if i < len(present):
+        return f".{present[i]}"
+    if keys is not None:
+        return f"[{keys[i - len(present)]!r}]"
+    return f"[{i - len(present)}]"
 
 
 def _container_base(tp: type) -> type | None:
@@ -470,7 +477,7 @@ def _classify(tp: type) -> Kind:
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
         return Kind(NODE, _namedtuple_flatten, _structseq_unflatten, _index_entry)
     if dataclasses.is_dataclass(tp) or _container_base(tp) is not None:
-        return Kind(NODE, _object_flatten, _object_unflatten, _object_entry)
+        return _object_kind(tp)
     return Kind(UNKNOWN)
 
 

@@ -9,6 +9,7 @@ by the same rules, for error messages, ``strict=True`` and the diagnostics.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
@@ -16,8 +17,7 @@ import torch
 
 from todevice import _tree
 
-_Tensor = torch.Tensor
-_NODE, _TENSOR, _ATOM = _tree.NODE, _tree.TENSOR, _tree.ATOM
+_NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
 
 class LeafError(Exception):
@@ -51,47 +51,94 @@ def make(
     tensor: Callable[[torch.Tensor, Any], Any],
     leaf: Callable[[Any, int, Any], Any],
     kind_of: Callable[[type], _tree.Kind],
+    slot: Callable[[Any, Any], Any] | None = None,
 ) -> Walk:
     """The walk that rebuilds a structure: every container anew, every leaf through these functions.
 
     ``keep(t)`` says whether a tensor comes back as it is; it is called for every tensor, so it is a
     C callable where it can be (``attrgetter("is_cpu")``). ``tensor(t, state)`` gives what replaces
     the others. ``leaf(x, code, state)`` gives what replaces a leaf that is neither a tensor nor an
-    atom, by its ``_tree`` code. ``kind_of`` classifies types. ``state`` is one call's own, passed
-    down as it is: the functions are made once and shared by every call.
+    atom, by its ``_tree`` code. ``kind_of`` classifies types. ``slot(x, state)`` fills a packed
+    batch's slot, one per packed tensor, inline like a tensor (by default, ``leaf`` does). ``state`` is
+    one call's own, passed down as it is: the functions are made once and shared by every call.
     """
-    atoms = _tree.FAST_ATOMS
+    # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
+    atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
+    if slot is None:
+        slot = functools.partial(_slot_leaf, leaf)
 
     def walk(x: Any, s: Any) -> Any:
         tp = type(x)
-        if tp is _Tensor:
+        if tp is tensor_type:
             return x if keep(x) else tensor(x, s)
         # Dicts, lists and tuples handle their leaves inline: a call per leaf would cost as much as
         # everything else done for a tensor that stays where it is.
         if tp is dict:
             return {
-                k: ((v if keep(v) else tensor(v, s)) if type(v) is _Tensor else v if type(v) in atoms else walk(v, s))
+                k: (
+                    (v if keep(v) else tensor(v, s))
+                    if type(v) is tensor_type
+                    else v
+                    if type(v) in atoms
+                    else slot(v, s)
+                    if type(v) is slot_type
+                    else walk(v, s)
+                )
                 for k, v in x.items()
             }
         if tp is list:
             return [
-                (v if keep(v) else tensor(v, s)) if type(v) is _Tensor else v if type(v) in atoms else walk(v, s)
+                (v if keep(v) else tensor(v, s))
+                if type(v) is tensor_type
+                else v
+                if type(v) in atoms
+                else slot(v, s)
+                if type(v) is slot_type
+                else walk(v, s)
                 for v in x
             ]
         if tp is tuple:
             return tuple(
                 [
-                    (v if keep(v) else tensor(v, s)) if type(v) is _Tensor else v if type(v) in atoms else walk(v, s)
+                    (v if keep(v) else tensor(v, s))
+                    if type(v) is tensor_type
+                    else v
+                    if type(v) in atoms
+                    else slot(v, s)
+                    if type(v) is slot_type
+                    else walk(v, s)
                     for v in x
                 ]
             )
+        if tp is slot_type:
+            return slot(x, s)
         if tp in atoms:
             return x
         kind = kind_of(tp)
         code = kind.code
         if code == _NODE:
-            children, aux = guarded(x, kind.flatten, x)  # type: ignore[arg-type]
-            return guarded(x, kind.unflatten, aux, [walk(c, s) for c in children])  # type: ignore[arg-type]
+            try:
+                children, aux = kind.flatten(x)  # type: ignore[misc]
+            except RecursionError:
+                raise
+            except Exception as err:  # a registered flatten's error names the node's path
+                raise LeafError(x, err) from err
+            done = [
+                (v if keep(v) else tensor(v, s))
+                if type(v) is tensor_type
+                else v
+                if type(v) in atoms
+                else slot(v, s)
+                if type(v) is slot_type
+                else walk(v, s)
+                for v in children
+            ]
+            try:
+                return kind.unflatten(aux, done)  # type: ignore[misc]
+            except RecursionError:
+                raise
+            except Exception as err:
+                raise LeafError(x, err) from err
         if code == _TENSOR:
             return x if keep(x) else tensor(x, s)
         if code == _ATOM:
@@ -133,6 +180,10 @@ def make(
         return result[0]
 
     return Walk(walk, walk_iteratively)
+
+
+def _slot_leaf(leaf: Callable[[Any, int, Any], Any], x: Any, s: Any) -> Any:
+    return leaf(x, _SLOT, s)
 
 
 def refuse_cycles(x: Any, err: RecursionError, verb: str = "move") -> None:
