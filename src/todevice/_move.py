@@ -6,7 +6,6 @@ import copy
 import functools
 import inspect
 import operator
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -105,7 +104,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
             raise  # deep nesting: the walk falls back to one with a stack
         except Exception as err:
             raise LeafError(t, err) from err
-        s.sources.append(t)  # type: ignore[union-attr]
+        s.sources.append(t)
         s.results.append(out)
         return out
 
@@ -115,21 +114,20 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
             ptr = t.data_ptr()
         except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
             ptr = 0
-        if ptr:  # 0: meta and empty tensors own no memory
-            by_ptr = s.by_ptr
-            hit = by_ptr.get(ptr)
-            if hit is None:  # the common case: the first tensor at this address
-                out = _copy(t, s)
-                by_ptr[ptr] = (t, out)
-                return out
-            return _again(t, ptr, hit, s)
-        seen = s.memo.get(id(t))
-        if seen is not None:
-            prior: torch.Tensor = seen[1]
-            return prior
-        out = _copy(t, s)
-        s.memo[id(t)] = (t, out)
-        return out
+        if not ptr:  # meta and empty tensors own no memory: told apart by identity
+            seen = s.memo.get(id(t))
+            if seen is not None:
+                prior: torch.Tensor = seen[1]
+                return prior
+            out = _copy(t, s)
+            s.memo[id(t)] = (t, out)
+            return out
+        entries = s.by_ptr.get(ptr)
+        if entries is None:  # the common case: the first tensor at this address
+            out = _copy(t, s)
+            s.by_ptr[ptr] = [(t, out)]
+            return out
+        return _again(t, entries, s)
 
     # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the
     # host the first walk records its copies, and a batch found to repeat one is walked again with
@@ -160,89 +158,63 @@ def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
 
 
 def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
-    """``t`` moved: the copy a first, optimistic walk made of it already, or a new one."""
-    made = s.made
-    if made is not None:
-        out = made.get(id(t))
-        if out is not None:
-            return out
-    try:
-        return s.plan.to(t)
-    except RecursionError:
-        raise
-    except Exception as err:
-        raise LeafError(t, err) from err
+    """``t`` moved and recorded: the copy an optimistic walk made of it already, or a new one."""
+    out = s.made.get(id(t))
+    if out is None:
+        try:
+            out = s.plan.to(t)
+        except RecursionError:
+            raise
+        except Exception as err:
+            raise LeafError(t, err) from err
+    s.sources.append(t)
+    s.results.append(out)
+    return out
 
 
 class State:
-    """One move's own: what it copied, the memo that keeps aliasing, what it made, the views that fill slots.
+    """One move's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
 
-    An optimistic walk appends every copy to ``sources`` and ``results``. The careful walk keeps the
-    memo: ``by_ptr`` maps a data_ptr to (source, result), or to a list of them once several tensors
-    share the address (aliasing, and distinct tensors over the same memory); tensors at address 0
-    and objects use ``memo``, by id. Each keeps its sources alive, so ids and addresses stay theirs.
+    Every copy is appended to ``sources`` and ``results``. An optimistic walk keeps nothing else;
+    the careful one also keeps the memo: ``by_ptr`` maps a data_ptr to the (source, result) pairs at
+    that address (aliasing, and distinct tensors over the same memory), and tensors at address 0 and
+    objects go in ``memo``, by id. Each keeps its sources alive, so ids and addresses stay theirs.
     """
 
-    views: list[torch.Tensor] | None = None  # the packed tensors, when the walk fills a skeleton
+    views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     wait_all = False  # a .to() object moved to the host: its source device is unknown
-    made: dict[int, torch.Tensor] | None = None  # the optimistic walk's copies, by id of their source
-    by_ptr: dict[int, Any] = types.MappingProxyType({})  # type: ignore[assignment]  # a careful state has its own
 
     def __init__(self, p: Plan) -> None:
         self.plan = p
-        self.sources: list[torch.Tensor] | None
-        if p.walk is p.careful:
-            self.sources = None
-            self.by_ptr: dict[int, Any] = {}
-        else:
-            self.sources = []
-            self.results: list[torch.Tensor] = []
+        self.careful = p.walk is p.careful
+        self.sources: list[torch.Tensor] = []
+        self.results: list[torch.Tensor] = []
+        self.by_ptr: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.memo: dict[int, tuple[Any, Any]] = {}
+        self.made: dict[int, torch.Tensor] = {}  # copies an optimistic walk made, by id of their source
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
 
-    def sub(self, views: list[torch.Tensor]) -> State:
-        """The state that fills one packed batch's slots: everything else shared with this one."""
-        out = State.__new__(State)
-        out.__dict__.update(self.__dict__)
-        out.views = views
-        return out
-
-    def careful(self) -> None:
-        """Turn an optimistic state careful, for the careful walk to run again and reuse the copies made."""
-        sources = self.sources
-        if sources is None:
-            return
-        self.made = dict(zip(map(id, reversed(sources)), reversed(self.results)))  # the first copy of each
-        self.sources = None
-        self.by_ptr = {}
+    def become_careful(self) -> None:
+        """For the careful walk to run (again), reusing every copy made so far."""
+        self.made.update(zip(map(id, reversed(self.sources)), reversed(self.results)))  # the first of each
+        self.careful = True
+        self.sources, self.results, self.by_ptr = [], [], {}
         # .to() objects are not moved again; tensors and packed batches are, with the copies made.
         self.memo = {k: v for k, v in self.memo.items() if _tree.kind_of(type(v[0])).code == _tree.TO}
 
     def outputs(self) -> list[torch.Tensor]:
         """Every tensor this move made: the coalesced buffers and each tensor copied on its own."""
-        outs = list(self.buffers)
-        if self.sources is not None:
-            outs.extend(out for src, out in zip(self.sources, self.results) if out is not src)
-        for entry in self.by_ptr.values():
-            for src, out in [entry] if type(entry) is tuple else entry:
-                if out is not src:
-                    outs.append(out)
+        outs = [*self.buffers, *(out for src, out in zip(self.sources, self.results) if out is not src)]
         outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def finish(self) -> None:
         """Wait for copies into host memory, so the caller never reads unfinished data."""
-        if not self.plan.to_host or not (self.sources or self.by_ptr or self.memo):
-            return
         if self.wait_all:
             _stream.synchronize_accelerator()
             return
-        sources = [src for src, _ in self.memo.values() if isinstance(src, torch.Tensor)]
-        sources.extend(self.sources or ())
-        for entry in self.by_ptr.values():
-            sources.extend(src for src, _ in ([entry] if type(entry) is tuple else entry))
-        for dev in {t.device for t in sources if t.device.type not in _stream.HOST_TYPES}:
+        for dev in {t.device for t in self.sources if t.device.type not in _stream.HOST_TYPES}:
             _stream.synchronize(dev)
 
 
@@ -268,33 +240,32 @@ def _distinct(sources: list[torch.Tensor]) -> bool:
     return len(set(held)) == len(held) and len(set(empty)) == len(empty)
 
 
-def _run(x: Any, s: State, original: Any) -> Any:
+def _run(x: Any, s: State, original: Any, settle: bool = True) -> Any:
     """The walk of a move over ``x``; errors name paths in ``original``.
 
     On the host the first walk is optimistic: if its copies repeat a tensor or share memory, the
-    careful walk runs again, reusing them. Past Python's recursion limit, the careful walk goes on
-    on a stack.
+    careful walk runs again, reusing them (``settle``: the caller checks, not this run). Past
+    Python's recursion limit, the careful walk goes on on a stack.
     """
     p = s.plan
+    optimistic = not s.careful
     try:
         try:
-            out = (p.walk if s.sources is not None else p.careful).walk(x, s)
-            if s.sources and not _distinct(s.sources):
-                s.careful()
+            out = (p.walk if optimistic else p.careful).walk(x, s)
+            if settle and optimistic and (s.careful or not _distinct(s.sources)):
+                s.become_careful()
                 out = p.careful.walk(x, s)
             return out
         except RecursionError as err:
             _walk.refuse_cycles(x, err)
-            s.careful()
+            s.become_careful()
             return p.careful.walk_iteratively(x, s)
     except LeafError as failure:
         _walk.explain(failure, original, p.dev, also=x)
 
 
-def _again(t: torch.Tensor, ptr: int, hit: Any, s: State) -> torch.Tensor:
+def _again(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s: State) -> torch.Tensor:
     """Another tensor over an address moved already: the same tensor, tied memory, or another view."""
-    entries: list[tuple[torch.Tensor, torch.Tensor]] = [hit] if type(hit) is tuple else hit
-    s.by_ptr[ptr] = entries
     for src, done in entries:
         if src is t:
             return done
@@ -305,6 +276,8 @@ def _again(t: torch.Tensor, ptr: int, hit: Any, s: State) -> torch.Tensor:
         if done is not src and type(t) is _Tensor and type(src) is _Tensor and _layout.same_view(src, t):
             out = done.view(done.shape)
             entries.append((t, out))
+            s.sources.append(t)
+            s.results.append(out)
             return out
     out = _copy(t, s)
     entries.append((t, out))
@@ -453,7 +426,7 @@ def move(
         finally:
             _stream.set_stream(user)
         _stream.hand_over(stream, user, s.outputs())
-    if p.to_host:
+    if p.to_host and (s.sources or s.wait_all):
         s.finish()
     return out  # type: ignore[no-any-return]
 
@@ -509,7 +482,11 @@ def unpack(s: State, batch: Any) -> Any:
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
     skeleton = batch.skeleton
-    out = _run(skeleton, s.sub(views), skeleton)
+    outer, s.views = s.views, views
+    try:
+        out = _run(skeleton, s, skeleton, settle=False)  # the move it is in checks its copies
+    finally:
+        s.views = outer
     s.memo[id(batch)] = (batch, out)
     return out
 
@@ -531,7 +508,8 @@ def move_on_stream(
         copied = _stream.record_event(side, dev)
     finally:
         _stream.set_stream(user)
-    s.finish()
+    if p.to_host:
+        s.finish()
     return out, s.outputs(), copied
 
 
