@@ -419,12 +419,7 @@ def move(
     if stream is None:
         out = _run(obj, s, obj) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
     else:
-        user = _stream.enter_stream(stream, p.dev)
-        s.streams = (user, stream)
-        try:
-            out = _run(obj, s, obj) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
-        finally:
-            _stream.set_stream(user)
+        out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
         _stream.hand_over(stream, user, s.outputs())
     if p.to_host and (s.sources or s.wait_all):
         s.finish()
@@ -499,18 +494,22 @@ def move_on_stream(
     Nothing is handed over yet: the consumer's stream waits for the event only when the batch is
     used, so the copies of later batches overlap the work on earlier ones.
     """
-    p = plan(dev, non_blocking, None)
-    s = State(p)
-    user = _stream.enter_stream(side, dev)
-    s.streams = (user, side)
-    try:
-        out = _coalesced(batch, s, COALESCE_MAX_BYTES) if p.coalesce else _run(batch, s, batch)
-        copied = _stream.record_event(side, dev)
-    finally:
-        _stream.set_stream(user)
-    if p.to_host:
+    s = State(plan(dev, non_blocking, None))
+    out, _ = _on_stream(batch, s, side, s.plan.coalesce, COALESCE_MAX_BYTES)
+    copied = _stream.record_event(side, dev)
+    if s.plan.to_host:
         s.finish()
     return out, s.outputs(), copied
+
+
+def _on_stream(obj: Any, s: State, stream: torch.Stream, coalesce: bool, max_bytes: int) -> tuple[Any, torch.Stream]:
+    """``obj`` moved with its copies issued on ``stream``; the result, and the user's stream (current again)."""
+    user = _stream.enter_stream(stream, s.plan.dev)
+    s.streams = (user, stream)
+    try:
+        return (_coalesced(obj, s, max_bytes) if coalesce else _run(obj, s, obj)), user
+    finally:
+        _stream.set_stream(user)
 
 
 def _check_strict(obj: Any) -> None:

@@ -300,13 +300,8 @@ def _container_base(tp: type) -> type | None:
 # ---------------------------------------------------------------- the registry
 
 
-class _Registered(NamedTuple):
-    flatten: Flatten
-    unflatten: Unflatten
-
-
 _lock = threading.Lock()
-_registry: dict[type, _Registered] = {}
+_registry: dict[type, Kind] = {}  # the rule of each registered type
 _kinds: dict[type, Kind] = {}
 _generation = [0]  # bumped by every registration change
 
@@ -390,7 +385,7 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
             # optree warns when a namespace overrides its namedtuple rule; here that is the point.
             warnings.simplefilter("ignore", UserWarning)
             optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
-        _registry[cls] = _Registered(flatten, unflatten)
+        _registry[cls] = Kind(NODE, _registered_flatten(flatten), _registered_unflatten(unflatten), _registered_entry)
         _generation[0] += 1
         _kinds.clear()
 
@@ -437,7 +432,7 @@ def _deferred_unflatten(d: Deferred, children: list[Any]) -> Any:
             f"but not here. Register {name} in this process too."
         )
         raise TypeError(msg)
-    return reg.unflatten(d.aux[0], children)
+    return reg.unflatten(d.aux, children)  # type: ignore[misc]
 
 
 def _deferred_entry(d: Deferred, i: int) -> str:
@@ -458,7 +453,7 @@ def _classify(tp: type) -> Kind:
         return _DEFERRED
     reg = _registry.get(tp)
     if reg is not None:
-        return Kind(NODE, _registered_flatten(reg.flatten), _registered_unflatten(reg.unflatten), _registered_entry)
+        return reg
     builtin = _BUILTIN.get(tp)
     if builtin is not None:
         return builtin
