@@ -898,3 +898,33 @@ def test_dict_keys_are_the_batch_s_own_objects() -> None:
         packed = todevice.pack({key: torch.ones(2) * i, big: torch.zeros(1)}).unpack()
         first, second = packed
         assert first is key and second is big
+
+
+# ---------------------------------------------------------------- state that outlived a call
+
+
+def test_an_ordereddict_reordered_with_move_to_end_keeps_its_order() -> None:
+    def batch() -> collections.OrderedDict[str, Any]:
+        d = collections.OrderedDict([("a", torch.ones(2)), ("b", torch.zeros(3)), ("c", 1)])
+        d.move_to_end("a")
+        return d
+
+    for _ in range(3):  # whatever ran before
+        assert list(todevice.move(batch(), "meta")) == ["b", "c", "a"]
+        assert list(todevice.move(batch(), "meta", coalesce=True)) == ["b", "c", "a"]
+        assert list(todevice.pack(batch()).unpack()) == ["b", "c", "a"]
+        assert list(todevice.move({"d": batch()}, "cpu", dtype=torch.float64)["d"]) == ["b", "c", "a"]
+
+
+def test_classes_made_per_batch_are_not_kept_forever() -> None:
+    import gc
+    import weakref
+
+    refs = []
+    for i in range(5000):
+        cls = collections.namedtuple(f"Batch{i}", ["x", "y"])
+        refs.append(weakref.ref(cls))
+        todevice.move(cls(torch.ones(1), i), "meta")
+        del cls
+    gc.collect()
+    assert sum(r() is not None for r in refs) <= 4096

@@ -1,0 +1,105 @@
+"""How the package is built: imports run one way, no generated code, and no state that remembers calls."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import todevice
+from todevice import _layout, _move, _stream, _tree, _walk
+
+SRC = Path(todevice.__file__).parent
+
+# Each private module may import only those before it: data flows down this list.
+LAYERS = ["errors", "_tree", "_stream", "_walk", "_layout", "_move", "_pack", "_data", "_inspect"]
+
+
+def internal_imports(path: Path) -> set[str]:
+    """The todevice modules ``path`` imports, anywhere in it (a function's body included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "todevice":
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("todevice."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("todevice."))
+    return found
+
+
+@pytest.mark.parametrize("module", LAYERS)
+def test_imports_run_one_way(module: str) -> None:
+    imported = internal_imports(SRC / f"{module}.py")
+    later = set(LAYERS[LAYERS.index(module) :])
+    assert not imported & later, f"{module} imports {sorted(imported & later)}, which come after it"
+
+
+def test_move_and_pack_do_not_import_each_other() -> None:
+    assert "_pack" not in internal_imports(SRC / "_move.py")
+    assert "_move" in internal_imports(SRC / "_pack.py")  # PackedBatch carries its own move, one way
+
+
+@pytest.mark.parametrize("path", sorted(SRC.glob("*.py")), ids=lambda p: p.name)
+def test_no_source_is_generated(path: Path) -> None:
+    calls = [
+        node.func.id
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in {"exec", "eval", "compile"}
+    ]
+    assert calls == []
+
+
+# Process-wide state: the registry, and caches whose value is a pure function of their key.
+ALLOWED_STATE = {
+    "_tree._BUILTIN",  # the rules of the built-in containers, never changed
+    "_tree._registry",  # the registry
+    "_tree._kinds",  # a type's rule, bounded, cleared on registration
+    "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
+    "_stream._resolved",  # a device argument's torch.device, bounded
+    "_move._plans",  # move()'s arguments' plan, bounded
+}
+
+
+def module_state(module: Any) -> set[str]:
+    """Module-level mutable containers, and caches of functions, by name."""
+    name = module.__name__.split(".")[-1]
+    found = set()
+    for attr, value in vars(module).items():
+        if isinstance(value, (dict, list, set)) and not attr.startswith("__"):
+            found.add(f"{name}.{attr}")
+    return found
+
+
+def test_process_wide_state_is_the_registry_and_bounded_caches() -> None:
+    state = set().union(*(module_state(m) for m in (_tree, _stream, _walk, _layout, _move)))
+    assert state == ALLOWED_STATE
+    cached = [
+        fn
+        for m in (_tree, _stream, _walk, _layout, _move)
+        for fn in vars(m).values()
+        if isinstance(fn, functools._lru_cache_wrapper)
+    ]
+    assert cached and all(fn.cache_parameters()["maxsize"] is not None for fn in cached)
+
+
+def test_a_plan_is_a_pure_function_of_its_key() -> None:
+    first = _move.plan(torch.device("meta"), True, None)
+    todevice.move({"x": [torch.ones(2)]}, "meta")
+    todevice.move([torch.ones(3)] * 3, "cpu", dtype=torch.float64)
+    assert _move.plan(torch.device("meta"), True, None) is first
+    assert "self" not in inspect.signature(first.walk.walk).parameters  # the walk keeps nothing of a call
+
+
+@pytest.mark.parametrize("path", sorted(SRC.glob("_*.py")), ids=lambda p: p.name)
+def test_no_module_runs_past_700_lines(path: Path) -> None:
+    if path.name == "_bench.py":
+        pytest.skip("the benchmarks, shipped for python -m todevice bench, are not the engine")
+    assert len(path.read_text().splitlines()) <= 700
