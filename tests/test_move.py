@@ -78,7 +78,7 @@ def test_aliases_and_shared_memory_survive(tree: Any) -> None:
 def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
     """The stack-based walk used past Python's recursion limit agrees with the fast walk."""
     p = _move.plan(META, True, None)
-    helpers.assert_same_tree(p.walk.walk_iteratively(tree, _move.State(p)), todevice.move(tree, "meta"))
+    helpers.assert_same_tree(p.careful.walk_iteratively(tree, _move.State(p)), todevice.move(tree, "meta"))
 
 
 # ---------------------------------------------------------------- the corpus, case by case
@@ -469,11 +469,9 @@ def test_device_to_host_waits_before_returning(monkeypatch: pytest.MonkeyPatch) 
 
     class OnAGpu:
         device = torch.device("cuda", 0)
+        is_cpu = is_meta = False
 
-    state = _move.State(_move.plan(CPU, True, None))
-    state.sources.extend([OnAGpu(), OnAGpu()])  # type: ignore[union-attr]  # what copies from cuda:0 leave
-    state.results.extend([torch.ones(1), torch.ones(1)])
-    state.finish()
+    _move._wait_for([OnAGpu(), OnAGpu(), torch.ones(1)])  # type: ignore[list-item]  # what copies from cuda:0 leave
     assert synced == [OnAGpu.device]
 
 
@@ -866,7 +864,8 @@ def test_a_tensor_met_again_after_a_tied_one_is_the_same_result() -> None:
 
 def test_a_batch_whose_objects_hold_its_tensors_is_moved_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a host target the first walk copies without a memo; a tensor it met twice costs one copy more,
-    then the walk runs again with the memo and reuses the copies (tests/backend: once, to a device)."""
+    then the careful walk runs with the memo and reuses the copies. The careful walk alone, an
+    accelerator's only walk, copies each tensor once."""
     calls: list[int] = []
     real = torch.Tensor.to
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
@@ -874,12 +873,15 @@ def test_a_batch_whose_objects_hold_its_tensors_is_moved_once(monkeypatch: pytes
     for _ in range(3):
         calls.clear()
         tree = {"a": a, "b": x, "r": helpers.Record(a)}
-        out, mover = moved(tree, META)
+        out = todevice.move(tree, META)
         assert len(calls) == 3 and out["r"].a is out["a"]
+        calls.clear()
+        out, mover = moved(tree, META)
+        assert len(calls) == 2 and out["r"].a is out["a"]
         assert {id(t) for t in mover.outputs()} == {id(out["a"]), id(out["b"])}
     calls.clear()
-    out, mover = moved({"a": a, "b": x, "r": helpers.Record(torch.ones(4))}, META)  # nothing met twice: one walk
-    assert len(calls) == 3 and len(mover.outputs()) == 3
+    todevice.move({"a": a, "b": x, "r": helpers.Record(torch.ones(4))}, META)  # nothing met twice: one walk
+    assert len(calls) == 3
 
 
 def test_a_cycle_through_an_object_is_reported_from_the_top() -> None:

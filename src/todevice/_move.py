@@ -65,11 +65,24 @@ class Plan(NamedTuple):
     dtype: torch.dtype | None
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor
+    one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor not in place: the copy, waited for
     plain: bool  # a copy is ``t.to(dev)``: no cast, and nothing asynchronous
-    walk: _walk.Walk  # the first walk of a move, with one call's State: optimistic on the host
-    careful: _walk.Walk  # the walk with a memo of every tensor, for tensors met twice or over one memory
+    walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
+    careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
     coalesce: bool  # coalesce by default: from the host to an accelerator
     to_host: bool  # asynchronous copies land in host memory: wait for them before returning
+
+
+class _Careful(Exception):
+    """Internal: the optimistic walk met an object that only the careful walk moves."""
+
+
+def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
+    """The optimistic walk's other leaves: unknown objects and modules stay; a ``.to()`` object, a packed
+    batch or a slot needs a move's full state, so the careful walk takes over."""
+    if code == _tree.UNKNOWN or code == _tree.MODULE:
+        return x
+    raise _Careful
 
 
 @functools.lru_cache(maxsize=64)
@@ -96,16 +109,27 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
         nb = non_blocking and not (mps and not t.is_pinned())
         return t.to(dev, cast, non_blocking=nb)
 
-    def recorded(t: torch.Tensor, s: State) -> torch.Tensor:
+    to_host = dev.type == "cpu" and non_blocking
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        try:
+            out = t.to(dev) if plain else to(t)
+        except Exception as err:
+            _walk.explain(LeafError(t, err), t, dev)
+        if to_host and not t.is_cpu and not t.is_meta:
+            _stream.synchronize(t.device)
+        return out
+
+    def recorded(t: torch.Tensor, rec: list[torch.Tensor]) -> torch.Tensor:
         """A tensor not in place, moved and recorded: repeats and shared memory are found afterwards, in bulk."""
         try:
             out = t.to(dev) if plain else to(t)
         except RecursionError:
-            raise  # deep nesting: the walk falls back to one with a stack
+            raise  # deep nesting: the careful walk goes on on a stack
         except Exception as err:
             raise LeafError(t, err) from err
-        s.sources.append(t)
-        s.results.append(out)
+        rec.append(t)
+        rec.append(out)
         return out
 
     def moved(t: torch.Tensor, s: State) -> torch.Tensor:
@@ -130,14 +154,15 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
         return _again(t, entries, s)
 
     # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the
-    # host the first walk records its copies, and a batch found to repeat one is walked again with
-    # the memo, reusing the copies made: the only waste is a second copy of a repeated tensor, in
-    # host memory for the length of the call. On an accelerator that second copy would hold device
-    # memory, and a copy launch costs far more than the memo: the first walk is the careful one.
+    # host the first walk only records its copies, in a list, and a batch found to repeat one is
+    # walked again with the memo, reusing the copies made: the only waste is a second copy of a
+    # repeated tensor, in host memory for the length of the call. On an accelerator that copy would
+    # hold device memory, and a copy launch costs far more than the memo: there the careful walk is
+    # the only one.
     host = dev.type in _stream.HOST_TYPES
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot)
-    walk = _walk.make(keep, recorded, _leaf, _tree.kind_of, _slot) if host else careful
-    return Plan(dev, non_blocking, dtype, keep, to, plain, walk, careful, not host, dev.type == "cpu" and non_blocking)
+    walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of) if host else None
+    return Plan(dev, non_blocking, dtype, keep, to, one, plain, walk, careful, not host, to_host)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -173,35 +198,26 @@ def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
 
 
 class State:
-    """One move's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
+    """One careful move's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
 
-    Every copy is appended to ``sources`` and ``results``. An optimistic walk keeps nothing else;
-    the careful one also keeps the memo: ``by_ptr`` maps a data_ptr to the (source, result) pairs at
-    that address (aliasing, and distinct tensors over the same memory), and tensors at address 0 and
-    objects go in ``memo``, by id. Each keeps its sources alive, so ids and addresses stay theirs.
+    Every copy is appended to ``sources`` and ``results``. ``by_ptr`` maps a data_ptr to the
+    (source, result) pairs at that address (aliasing, and distinct tensors over the same memory), and
+    tensors at address 0 and objects go in ``memo``, by id. Each keeps its sources alive, so ids and
+    addresses stay theirs. ``made`` holds the copies an optimistic walk made before, by id of their source.
     """
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     wait_all = False  # a .to() object moved to the host: its source device is unknown
 
-    def __init__(self, p: Plan) -> None:
+    def __init__(self, p: Plan, made: dict[int, torch.Tensor] | None = None) -> None:
         self.plan = p
-        self.careful = p.walk is p.careful
         self.sources: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
         self.by_ptr: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.memo: dict[int, tuple[Any, Any]] = {}
-        self.made: dict[int, torch.Tensor] = {}  # copies an optimistic walk made, by id of their source
+        self.made = made or {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
-
-    def become_careful(self) -> None:
-        """For the careful walk to run (again), reusing every copy made so far."""
-        self.made.update(zip(map(id, reversed(self.sources)), reversed(self.results)))  # the first of each
-        self.careful = True
-        self.sources, self.results, self.by_ptr = [], [], {}
-        # .to() objects are not moved again; tensors and packed batches are, with the copies made.
-        self.memo = {k: v for k, v in self.memo.items() if _tree.kind_of(type(v[0])).code == _tree.TO}
 
     def outputs(self) -> list[torch.Tensor]:
         """Every tensor this move made: the coalesced buffers and each tensor copied on its own."""
@@ -213,9 +229,14 @@ class State:
         """Wait for copies into host memory, so the caller never reads unfinished data."""
         if self.wait_all:
             _stream.synchronize_accelerator()
-            return
-        for dev in {t.device for t in self.sources if t.device.type not in _stream.HOST_TYPES}:
-            _stream.synchronize(dev)
+        else:
+            _wait_for(self.sources)
+
+
+def _wait_for(sources: list[torch.Tensor]) -> None:
+    """Wait for the copies into host memory from these tensors' accelerators."""
+    for dev in {t.device for t in sources if not t.is_cpu and not t.is_meta}:
+        _stream.synchronize(dev)
 
 
 _data_ptr = _Tensor.data_ptr
@@ -223,8 +244,6 @@ _data_ptr = _Tensor.data_ptr
 
 def _distinct(sources: list[torch.Tensor]) -> bool:
     """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
-    if len(sources) < 2:
-        return True
     try:
         if len(sources) == 2:  # a common small batch: no set to build
             if sources[0].data_ptr() != sources[1].data_ptr():
@@ -240,25 +259,42 @@ def _distinct(sources: list[torch.Tensor]) -> bool:
     return len(set(held)) == len(held) and len(set(empty)) == len(empty)
 
 
-def _run(x: Any, s: State, original: Any, settle: bool = True) -> Any:
-    """The walk of a move over ``x``; errors name paths in ``original``.
+def _host(obj: Any, p: Plan, walk: _walk.Walk) -> Any:
+    """A move to the host: the optimistic walk, and the careful one only where the batch needs it."""
+    rec: list[torch.Tensor] = []  # source, copy, source, copy, ...
+    try:
+        out = walk.walk(obj, rec)
+    except LeafError as failure:
+        _walk.explain(failure, obj, p.dev)
+    except (_Careful, RecursionError):  # an object the careful walk moves, or deep nesting
+        return _carefully(obj, p, rec)
+    if len(rec) > 2 and not _distinct(rec[::2]):  # a tensor met twice, or two over one memory
+        return _carefully(obj, p, rec)
+    if p.to_host and rec:
+        _wait_for(rec[::2])
+    return out
 
-    On the host the first walk is optimistic: if its copies repeat a tensor or share memory, the
-    careful walk runs again, reusing them (``settle``: the caller checks, not this run). Past
-    Python's recursion limit, the careful walk goes on on a stack.
+
+def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:
+    """The careful walk after an optimistic one, reusing the copies it made (the first of each source)."""
+    s = State(p, dict(zip(map(id, rec[-2::-2]), rec[::-2])))
+    out = _run(obj, s, obj)
+    if p.to_host and (s.sources or s.wait_all):
+        s.finish()
+    return out
+
+
+def _run(x: Any, s: State, original: Any) -> Any:
+    """The careful walk of a move over ``x``; errors name paths in ``original``.
+
+    Past Python's recursion limit, it goes on on a stack.
     """
     p = s.plan
-    optimistic = not s.careful
     try:
         try:
-            out = (p.walk if optimistic else p.careful).walk(x, s)
-            if settle and optimistic and (s.careful or not _distinct(s.sources)):
-                s.become_careful()
-                out = p.careful.walk(x, s)
-            return out
+            return p.careful.walk(x, s)
         except RecursionError as err:
             _walk.refuse_cycles(x, err)
-            s.become_careful()
             return p.careful.walk_iteratively(x, s)
     except LeafError as failure:
         _walk.explain(failure, original, p.dev, also=x)
@@ -411,30 +447,22 @@ def move(
         coalesce = p.coalesce
     elif coalesce:
         coalesce = p.dev.type != "cpu"
-    if type(obj) is _Tensor and not coalesce and stream is None:  # a bare tensor: nothing to walk or alias
-        return obj if p.keep(obj) else _one(obj, p)  # type: ignore[arg-type,return-value]
+    if stream is None and not coalesce and not strict:
+        if type(obj) is _Tensor:  # a bare tensor: nothing to walk or alias
+            return obj if p.keep(obj) else p.one(obj)  # type: ignore[arg-type,return-value]
+        if p.walk is not None:
+            return _host(obj, p, p.walk)  # type: ignore[no-any-return]
     if strict:
         _check_strict(obj)
     s = State(p)
     if stream is None:
-        out = _run(obj, s, obj) if not coalesce else _coalesced(obj, s, coalesce_max_bytes)
+        out = _coalesced(obj, s, coalesce_max_bytes) if coalesce else _run(obj, s, obj)
     else:
         out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
         _stream.hand_over(stream, user, s.outputs())
     if p.to_host and (s.sources or s.wait_all):
         s.finish()
     return out  # type: ignore[no-any-return]
-
-
-def _one(t: torch.Tensor, p: Plan) -> torch.Tensor:
-    """move() of a bare tensor that is not in place."""
-    try:
-        out = t.to(p.dev) if p.plain else p.to(t)
-    except Exception as err:
-        _walk.explain(LeafError(t, err), t, p.dev)
-    if p.to_host and not t.is_cpu and not t.is_meta:
-        _stream.synchronize(t.device)
-    return out
 
 
 def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
@@ -479,7 +507,7 @@ def unpack(s: State, batch: Any) -> Any:
     skeleton = batch.skeleton
     outer, s.views = s.views, views
     try:
-        out = _run(skeleton, s, skeleton, settle=False)  # the move it is in checks its copies
+        out = _run(skeleton, s, skeleton)
     finally:
         s.views = outer
     s.memo[id(batch)] = (batch, out)
