@@ -83,7 +83,14 @@ def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.d
 
 @functools.lru_cache(maxsize=64)  # a training loop cycles through a few structures
 def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast: torch.dtype | None) -> Layout:
-    """The layout for tensors of these dtypes and shapes, in walk order."""
+    """The layout for tensors of these dtypes and shapes, in walk order.
+
+    Raises:
+        TypeError: a dtype that a byte buffer does not hold exactly (a quantized one, say).
+    """
+    if not DENSE_DTYPES.issuperset(dtypes):  # checked here, once per signature, not once per batch
+        msg = f"Cannot lay out {sorted(map(str, set(dtypes) - DENSE_DTYPES))} in a byte buffer."
+        raise TypeError(msg)
     by_key: dict[tuple[torch.dtype, torch.dtype, torch.Size], list[int]] = {}
     for k, (dtype, shape) in enumerate(zip(dtypes, shapes)):
         stored, final = _buffer_dtype(dtype, cast)
@@ -316,9 +323,11 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
             s.loose.append(t)
             return t  # move() coalesces small tensors that need no autograd only
     tensors = s.tensors
-    n = len(tensors)
     tensors.append(t)
-    return _SLOTS[n] if n < 4096 else _tree.Slot(n)
+    try:
+        return _SLOTS[len(tensors) - 1]
+    except IndexError:
+        return _tree.Slot(len(tensors) - 1)
 
 
 def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
@@ -381,17 +390,13 @@ def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None) -> Taken:
         # A repeated address means a tensor met twice or memory shared, which the careful walk
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
-        clean = len(set(map(_data_ptr, tensors))) == len(tensors)
-        shapes = tuple(map(_shape_of, tensors))
-        dtypes = tuple(map(_dtype_of, tensors))
-        clean = clean and DENSE_DTYPES.issuperset(dtypes)
-    except RuntimeError:
-        clean = False
-    if not clean:
-        taking = _Taking(max_bytes)
-        skeleton = _TAKE_CAREFULLY.walk(obj, taking)
-        tensors = taking.tensors
-        shapes = tuple(map(_shape_of, tensors))
-        dtypes = tuple(map(_dtype_of, tensors))
-    lay = layout(dtypes, shapes, cast)
+        if len(set(map(_data_ptr, tensors))) == len(tensors):
+            lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
+            return Taken(skeleton, tensors, lay, len(taking.loose))
+    except (RuntimeError, TypeError):
+        pass
+    taking = _Taking(max_bytes)
+    skeleton = _TAKE_CAREFULLY.walk(obj, taking)
+    tensors = taking.tensors
+    lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
     return Taken(skeleton, tensors, lay, len(taking.loose))

@@ -321,18 +321,18 @@ def _again(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s:
 
 
 def _slot(x: _tree.Slot, s: State) -> torch.Tensor:
-    """A packed batch's slot: its tensor, or for an AliasSlot (a distinct tensor over the same memory) a new view."""
-    views = s.views
-    if views is None:
+    """A packed batch's slot: its tensor."""
+    try:
+        return s.views[x]  # type: ignore[index]
+    except TypeError:  # no views: a slot met outside a skeleton
         msg = f"Cannot move {x!r}: a slot only means something inside a PackedBatch's skeleton."
-        raise TypeError(msg)
-    view = views[x]
-    return view if type(x) is _tree.Slot else view.view(view.shape)
+        raise TypeError(msg) from None
 
 
 def _leaf(x: Any, code: int, s: State) -> Any:
-    if code == _tree.SLOT:
-        return _slot(x, s)
+    if code == _tree.SLOT:  # an AliasSlot: a distinct tensor over the same memory as another, a view of its view
+        view = _slot(x, s)
+        return view.view(view.shape)
     if code == _tree.TO:
         return _to_object(x, s)
     if code == _tree.OWN:
@@ -511,6 +511,15 @@ def unpack(s: State, batch: Any) -> Any:
     finally:
         s.views = outer
     s.memo[id(batch)] = (batch, out)
+    return out
+
+
+def unpack_to(batch: Any, device: DeviceLike, non_blocking: bool) -> Any:
+    """``PackedBatch.unpack(device)``: ``move(batch, device, coalesce=False)`` without walking to the batch."""
+    s = State(_plan_for(device, non_blocking, None))
+    out = unpack(s, batch)
+    if s.plan.to_host and (s.sources or s.wait_all):
+        s.finish()
     return out
 
 

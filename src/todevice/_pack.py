@@ -141,4 +141,4 @@ class PackedBatch:
         Returns:
             A structure equal to the one that was packed.
         """
-        return _move.move(self, "cpu" if device is None else device, non_blocking=non_blocking, coalesce=False)
+        return _move.unpack_to(self, "cpu" if device is None else device, non_blocking)
