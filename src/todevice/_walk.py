@@ -71,8 +71,8 @@ def make(
         tp = type(x)
         if tp is tensor_type:
             return x if keep(x) else tensor(x, s)
-        # Dicts, lists and tuples handle their leaves inline: a call per leaf would cost as much as
-        # everything else done for a tensor that stays where it is.
+        # Containers handle their leaves inline: a call per leaf would cost as much as everything else
+        # done for a tensor that stays where it is.
         if tp is dict:
             return {
                 k: (
@@ -86,64 +86,47 @@ def make(
                 )
                 for k, v in x.items()
             }
-        if tp is list:
-            return [
-                (v if keep(v) else tensor(v, s))
-                if type(v) is tensor_type
-                else v
-                if type(v) in atoms
-                else slot(v, s)
-                if type(v) is slot_type
-                else walk(v, s)
-                for v in x
-            ]
-        if tp is tuple:
-            return tuple(
-                [
-                    (v if keep(v) else tensor(v, s))
-                    if type(v) is tensor_type
-                    else v
-                    if type(v) in atoms
-                    else slot(v, s)
-                    if type(v) is slot_type
-                    else walk(v, s)
-                    for v in x
-                ]
-            )
-        if tp is slot_type:
+        if tp is list or tp is tuple:
+            children = x
+        elif tp is slot_type:
             return slot(x, s)
-        if tp in atoms:
+        elif tp in atoms:
             return x
-        kind = kind_of(tp)
-        code = kind.code
-        if code == _NODE:
+        else:
+            kind = kind_of(tp)
+            code = kind.code
+            if code == _TENSOR:
+                return x if keep(x) else tensor(x, s)
+            if code == _ATOM:
+                return x
+            if code != _NODE:
+                return leaf(x, code, s)
             try:
                 children, aux = kind.flatten(x)  # type: ignore[misc]
             except RecursionError:
                 raise
             except Exception as err:  # a registered flatten's error names the node's path
                 raise LeafError(x, err) from err
-            done = [
-                (v if keep(v) else tensor(v, s))
-                if type(v) is tensor_type
-                else v
-                if type(v) in atoms
-                else slot(v, s)
-                if type(v) is slot_type
-                else walk(v, s)
-                for v in children
-            ]
-            try:
-                return kind.unflatten(aux, done)  # type: ignore[misc]
-            except RecursionError:
-                raise
-            except Exception as err:
-                raise LeafError(x, err) from err
-        if code == _TENSOR:
-            return x if keep(x) else tensor(x, s)
-        if code == _ATOM:
-            return x
-        return leaf(x, code, s)
+        done = [
+            (v if keep(v) else tensor(v, s))
+            if type(v) is tensor_type
+            else v
+            if type(v) in atoms
+            else slot(v, s)
+            if type(v) is slot_type
+            else walk(v, s)
+            for v in children
+        ]
+        if tp is list:
+            return done
+        if tp is tuple:
+            return tuple(done)
+        try:
+            return kind.unflatten(aux, done)  # type: ignore[misc]
+        except RecursionError:
+            raise
+        except Exception as err:
+            raise LeafError(x, err) from err
 
     def walk_iteratively(obj: Any, s: Any) -> Any:
         """The same walk with an explicit stack, for structures nested deeper than Python recursion."""
