@@ -65,7 +65,7 @@ class Plan(NamedTuple):
     dtype: torch.dtype | None
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor
-    one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor not in place: the copy, waited for
+    one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
     plain: bool  # a copy is ``t.to(dev)``: no cast, and nothing asynchronous
     walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
     careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
@@ -112,6 +112,8 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     to_host = dev.type == "cpu" and non_blocking
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        if keep(t):
+            return t
         try:
             out = t.to(dev) if plain else to(t)
         except Exception as err:
@@ -449,7 +451,7 @@ def move(
         coalesce = p.dev.type != "cpu"
     if stream is None and not coalesce and not strict:
         if type(obj) is _Tensor:  # a bare tensor: nothing to walk or alias
-            return obj if p.keep(obj) else p.one(obj)  # type: ignore[arg-type,return-value]
+            return p.one(obj)  # type: ignore[arg-type,return-value]
         if p.walk is not None:
             return _host(obj, p, p.walk)  # type: ignore[no-any-return]
     if strict:

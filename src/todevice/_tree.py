@@ -48,24 +48,9 @@ class Kind(NamedTuple):
     entry: Callable[[Any, int], str] | None = None
 
 
+# Atomic types besides the subclasses of _ATOMIC_BASES.
 _ATOMIC_EXACT: frozenset[type] = frozenset(
-    {
-        type(None),
-        bool,
-        int,
-        float,
-        complex,
-        str,
-        bytes,
-        torch.dtype,
-        torch.device,
-        torch.layout,
-        torch.memory_format,
-        torch.Size,
-        range,
-        slice,
-        type(Ellipsis),
-    }
+    {type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, range, slice, type(Ellipsis)}
 )
 # Exact types the hot loops recognise without a cache lookup.
 FAST_ATOMS: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
