@@ -228,7 +228,9 @@ class State:
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def finish(self) -> None:
-        """Wait for copies into host memory, so the caller never reads unfinished data."""
+        """Wait for asynchronous copies into host memory, so the caller never reads unfinished data."""
+        if not self.plan.to_host:
+            return
         if self.wait_all:
             _stream.synchronize_accelerator()
         else:
@@ -281,8 +283,7 @@ def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:
     """The careful walk after an optimistic one, reusing the copies it made (the first of each source)."""
     s = State(p, dict(zip(map(id, rec[-2::-2]), rec[::-2])))
     out = _run(obj, s, obj)
-    if p.to_host and (s.sources or s.wait_all):
-        s.finish()
+    s.finish()
     return out
 
 
@@ -462,8 +463,7 @@ def move(
     else:
         out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
         _stream.hand_over(stream, user, s.outputs())
-    if p.to_host and (s.sources or s.wait_all):
-        s.finish()
+    s.finish()
     return out  # type: ignore[no-any-return]
 
 
@@ -520,8 +520,7 @@ def unpack_to(batch: Any, device: DeviceLike, non_blocking: bool) -> Any:
     """``PackedBatch.unpack(device)``: ``move(batch, device, coalesce=False)`` without walking to the batch."""
     s = State(_plan_for(device, non_blocking, None))
     out = unpack(s, batch)
-    if s.plan.to_host and (s.sources or s.wait_all):
-        s.finish()
+    s.finish()
     return out
 
 
@@ -536,8 +535,7 @@ def move_on_stream(
     s = State(plan(dev, non_blocking, None))
     out, _ = _on_stream(batch, s, side, s.plan.coalesce, COALESCE_MAX_BYTES)
     copied = _stream.record_event(side, dev)
-    if s.plan.to_host:
-        s.finish()
+    s.finish()
     return out, s.outputs(), copied
 
 
