@@ -327,3 +327,14 @@ def test_guard_ignores_inputs_that_belong_where_they_are() -> None:
         module(meta(2), cpu(3))
     with todevice.guard(module), pytest.raises(todevice.DeviceMismatchError, match=r"kwargs\['lengths'\] is on cpu"):
         module(meta(2), lengths=cpu(3))
+
+
+def test_devices_and_check_see_inside_a_packed_batch() -> None:
+    packed = todevice.pack({"x": cpu(2), "s": torch.eye(2).to_sparse(), "m": [meta(1)]})
+    assert todevice.devices({"batch": packed}) == {
+        "['batch']['x']": CPU,
+        "['batch']['s']": CPU,
+        "['batch']['m'][0]": META,
+    }
+    with pytest.raises(todevice.DeviceMismatchError, match=r"cpu: \['batch'\]\['x'\], \['batch'\]\['s'\]"):
+        todevice.check({"batch": packed}, device="meta")

@@ -767,3 +767,31 @@ def test_nothing_of_a_batch_is_kept_alive() -> None:
 def test_a_namedtuple_batch_round_trips() -> None:
     batch = helpers.Point(torch.ones(2), [torch.zeros(3), "s"])
     helpers.assert_same_tree(todevice.pack(batch).unpack(), batch, values=True, same=False)
+
+
+def test_a_tied_tensor_reached_twice_comes_back_as_one_tensor() -> None:
+    """A distinct tensor over another's memory, met twice, is one AliasSlot: one view at both places."""
+    x = torch.arange(4.0)
+    u = x.detach()
+    emb, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    sd = torch.nn.Sequential(emb, head).state_dict()
+    for tree in ([x, u, u], {"a": sd, "b": sd}):
+        for out in (todevice.pack(tree).unpack(), pickle.loads(pickle.dumps(todevice.pack(tree))).unpack()):
+            if isinstance(out, list):
+                assert out[1] is out[2] and out[1] is not out[0] and out[1].data_ptr() == out[0].data_ptr()
+            else:
+                assert out["a"]["1.weight"] is out["b"]["1.weight"]
+        coalesced = todevice.move(tree, "meta", coalesce=True)
+        if isinstance(coalesced, list):
+            assert coalesced[1] is coalesced[2]
+        else:
+            assert coalesced["a"]["1.weight"] is coalesced["b"]["1.weight"]
+
+
+def test_an_error_inside_a_packed_batch_names_the_path_from_the_top() -> None:
+    packed = todevice.pack({"x": torch.ones(2), "m": [torch.ones(2, device="meta")]})
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['batch'\]\[0\]\['m'\]\[0\] \(Tensor of shape"):
+        todevice.move({"batch": [packed]}, "cpu")
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['m'\]\[0\] \(Tensor of shape"):
+        packed.unpack()

@@ -10,7 +10,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from todevice import _stream, _tree, _walk
+from todevice import _layout, _stream, _tree, _walk
+from todevice._pack import PackedBatch
 from todevice._stream import DeviceLike
 from todevice.errors import DeviceMismatchError
 
@@ -18,12 +19,13 @@ SHOWN = 8  # paths listed per device in a message; the rest are counted
 _Tensor = torch.Tensor
 
 
-def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every tensor in ``obj``, at every place it is reached.
 
     A module's tensors go by qualified name, wherever the module sits. An object that moves itself
     through ``.to()`` (PackedSequence, a tokenizer's BatchEncoding) is looked into as well: its
-    fields, items or attributes.
+    fields, items or attributes. So is a PackedBatch: its packed tensors are where its buffer is,
+    each at its place in the structure (``views`` fill its skeleton's slots).
     """
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
@@ -37,6 +39,10 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
         for path, node in _walk.paths(obj, revisit=True):
             if isinstance(node, torch.Tensor):
                 yield prefix + path, node
+            elif views is not None and isinstance(node, _tree.Slot):
+                yield prefix + path, views[node]
+            elif isinstance(node, PackedBatch):
+                yield from _tensors(node.skeleton, prefix + path, _layout.read(node.buffer, node.layout))
             elif isinstance(node, nn.Module):
                 yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:

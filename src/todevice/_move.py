@@ -288,19 +288,20 @@ def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:
 
 
 def _run(x: Any, s: State, original: Any) -> Any:
-    """The careful walk of a move over ``x``; errors name paths in ``original``.
-
-    Past Python's recursion limit, it goes on on a stack.
-    """
-    p = s.plan
+    """The careful walk of a move over ``x``; errors name paths in ``original``."""
     try:
-        try:
-            return p.careful.walk(x, s)
-        except RecursionError as err:
-            _walk.refuse_cycles(x, err)
-            return p.careful.walk_iteratively(x, s)
+        return _careful(x, s)
     except LeafError as failure:
-        _walk.explain(failure, original, p.dev, also=x)
+        _walk.explain(failure, original, s.plan.dev, also=x)
+
+
+def _careful(x: Any, s: State) -> Any:
+    """The careful walk of a move over ``x``, going on on a stack past Python's recursion limit."""
+    try:
+        return s.plan.careful.walk(x, s)
+    except RecursionError as err:
+        _walk.refuse_cycles(x, err)
+        return s.plan.careful.walk_iteratively(x, s)
 
 
 def _again(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s: State) -> torch.Tensor:
@@ -334,8 +335,11 @@ def _slot(x: _tree.Slot, s: State) -> torch.Tensor:
 
 def _leaf(x: Any, code: int, s: State) -> Any:
     if code == _tree.SLOT:  # an AliasSlot: a distinct tensor over the same memory as another, a view of its view
-        view = _slot(x, s)
-        return view.view(view.shape)
+        hit = s.memo.get(id(x))  # the same tensor reached twice is one AliasSlot: one view for both places
+        if hit is None:
+            view = _slot(x, s)
+            hit = s.memo[id(x)] = (x, view.view(view.shape))
+        return hit[1]
     if code == _tree.TO:
         return _to_object(x, s)
     if code == _tree.OWN:
@@ -509,7 +513,9 @@ def unpack(s: State, batch: Any) -> Any:
     skeleton = batch.skeleton
     outer, s.views = s.views, views
     try:
-        out = _run(skeleton, s, skeleton)
+        out = _careful(skeleton, s)
+    except LeafError as failure:
+        raise failure.within(batch, skeleton) from None  # the walk the batch is in names the path
     finally:
         s.views = outer
     s.memo[id(batch)] = (batch, out)
@@ -519,7 +525,7 @@ def unpack(s: State, batch: Any) -> Any:
 def unpack_to(batch: Any, device: DeviceLike, non_blocking: bool) -> Any:
     """``PackedBatch.unpack(device)``: ``move(batch, device, coalesce=False)`` without walking to the batch."""
     s = State(_plan_for(device, non_blocking, None))
-    out = unpack(s, batch)
+    out = _run(batch, s, batch)
     s.finish()
     return out
 

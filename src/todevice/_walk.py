@@ -21,12 +21,23 @@ _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
 
 class LeafError(Exception):
-    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path."""
+    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path.
 
-    def __init__(self, leaf: Any, err: BaseException) -> None:
+    A failure inside an object that the walk hands to its own move (a packed batch) is carried up as
+    a failure of that object, with the path inside it in ``inner`` and the failing leaf in ``shown``.
+    """
+
+    def __init__(self, leaf: Any, err: BaseException, inner: str = "", shown: Any = None) -> None:
         super().__init__()
         self.leaf = leaf
         self.err = err
+        self.inner = inner
+        self.shown = leaf if shown is None else shown
+
+    def within(self, outer: Any, structure: Any) -> LeafError:
+        """This failure, as one of ``outer``, whose ``structure`` holds the failing leaf."""
+        inner = (find_path(structure, self.leaf) or "") + self.inner
+        return LeafError(outer, self.err, inner, self.shown)
 
 
 def guarded(node: Any, fn: Callable[..., Any], *args: Any) -> Any:
@@ -286,6 +297,6 @@ def explain(
     path = find_path(original, leaf)
     if path is None and also is not None:
         path = find_path(also, leaf)  # a node only the skeleton of a packed batch holds
-    where = format_path(path or "")
+    where = format_path((path or "") + failure.inner)
     target = f" to {dev}" if dev is not None else ""
-    raise_with_message(cause, f"Cannot {verb} {where} ({describe(leaf)}){target}: {cause}")
+    raise_with_message(cause, f"Cannot {verb} {where} ({describe(failure.shown)}){target}: {cause}")
