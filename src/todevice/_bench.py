@@ -130,13 +130,15 @@ def interleaved(
     funcs: Mapping[str, Callable[[], Any]],
     rounds: int,
     rng: random.Random,
-    setup: Callable[[], Any] | None = None,
+    setup: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each function, medians over ``rounds``; the order shuffled every round.
 
     The shuffle keeps any one function from always running first, or right after another.
-    ``setup`` runs, untimed, before each timed call. The garbage collector is off during the rounds.
+    ``setup`` runs, untimed, before each timed call (a mapping: its own setup for each function).
+    The garbage collector is off during the rounds.
     """
+    setups = setup if isinstance(setup, Mapping) else dict.fromkeys(funcs, setup)
     times: dict[str, list[float]] = {name: [] for name in funcs}
     gc.collect()
     gc.disable()
@@ -145,8 +147,9 @@ def interleaved(
             order = list(funcs)
             rng.shuffle(order)
             for name in order:
-                if setup is not None:
-                    setup()
+                before = setups[name]
+                if before is not None:
+                    before()
                 start = time.perf_counter()
                 funcs[name]()
                 times[name].append(time.perf_counter() - start)
@@ -248,16 +251,23 @@ def _history_rows(
         HELPER: _repeat(recursive_to_device, [batch], cpu),
     }
     counted = {name: count_tensors(fn(batch, cpu), cpu) for name, fn in funcs.items() if name in pair}
-    rows = []
-    # The third row is the control: the same other batch, moved by the helper, evicts the same caches
-    # and leaves todevice nothing to remember, so any gap between the last two rows is history.
-    for label, before, where, mover in (
-        ("back to back", batch, cpu, todevice.move),
-        ("right after a move of another batch", other, meta, todevice.move),
-        ("right after the helper moved another batch", other, meta, recursive_to_device),
-    ):
-        times = interleaved(pair, rounds, rng, setup=functools.partial(mover, before, where))
-        rows.append(_row(f"in place, nested 1,000, {label}", "cpu", times, 1, counted))
+    # The third setup is the control: the same other batch, moved by the helper, evicts the same caches
+    # and leaves todevice nothing to remember, so any gap between the last two rows is history. All six
+    # (setup, contender) pairs run interleaved in one loop, so the machine's noise falls on all alike.
+    conditions = {
+        "back to back": functools.partial(todevice.move, batch, cpu),
+        "right after a move of another batch": functools.partial(todevice.move, other, meta),
+        "right after the helper moved another batch": functools.partial(recursive_to_device, other, meta),
+    }
+    calls = {(label, name): fn for label in conditions for name, fn in pair.items()}
+    names = {key: f"{key[0]}: {key[1]}" for key in calls}
+    times = interleaved(
+        {names[key]: fn for key, fn in calls.items()}, rounds, rng, {names[key]: conditions[key[0]] for key in calls}
+    )
+    rows = [
+        _row(f"in place, nested 1,000, {label}", "cpu", {name: times[f"{label}: {name}"] for name in pair}, 1, counted)
+        for label in conditions
+    ]
     for dev in (cpu, meta):
         fresh: list[Any] = [None]
 
