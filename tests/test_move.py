@@ -475,6 +475,30 @@ def test_device_to_host_waits_before_returning(monkeypatch: pytest.MonkeyPatch) 
     assert synced == [OnAGpu.device]
 
 
+def test_moves_to_the_host_wait_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way a move to the host can go ends in one wait for the copies' source devices."""
+    waited: list[Any] = []
+    monkeypatch.setattr(_move, "_wait_for", lambda sources: waited.append(list(sources)))
+    monkeypatch.setattr(_move._stream, "synchronize_accelerator", lambda: waited.append("every device"))
+    t, u = torch.ones(2), torch.zeros(3)
+    packed = todevice.pack({"p": torch.ones(1)})
+    paths = {
+        "one walk": {"t": t, "u": u},
+        "a tensor met twice": {"t": t, "again": [t]},
+        "an object with .to()": {"t": t, "seq": pack_padded_sequence(torch.ones(2, 1), [2])},
+        "a packed batch": {"t": t, "packed": packed},
+    }
+    for name, tree in paths.items():
+        waited.clear()
+        todevice.move(tree, "cpu", dtype=torch.float64)
+        assert len(waited) == 1, name
+        # A .to() object's source device is not known: every device is waited for.
+        assert waited[0] == "every device" if name == "an object with .to()" else any(s is t for s in waited[0])
+    waited.clear()
+    packed.unpack()
+    assert len(waited) == 1, "unpack"
+
+
 def test_host_copies_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[torch.device] = []
     monkeypatch.setattr(_move._stream, "synchronize", synced.append)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import enum
 import gc
 import os
@@ -795,3 +796,15 @@ def test_an_error_inside_a_packed_batch_names_the_path_from_the_top() -> None:
         todevice.move({"batch": [packed]}, "cpu")
     with pytest.raises(NotImplementedError, match=r"Cannot move \['m'\]\[0\] \(Tensor of shape"):
         packed.unpack()
+
+
+def test_batches_sharing_a_skeleton_keep_their_own_tied_tensors() -> None:
+    """A copy of a packed batch, or a pinned one, shares its skeleton: each batch's AliasSlot gets its own view."""
+    x = torch.arange(4.0)
+    packed = todevice.pack({"a": x, "b": x.detach()})
+    other = copy.copy(packed)
+    other.buffer = packed.buffer.clone()
+    out = todevice.move([packed, other], "cpu", dtype=torch.float16)
+    out[1]["a"].add_(100)
+    assert out[1]["b"].data_ptr() == out[1]["a"].data_ptr() and torch.equal(out[1]["b"], out[1]["a"])
+    assert torch.equal(out[0]["b"], x.half()) and out[0]["b"].data_ptr() == out[0]["a"].data_ptr()

@@ -88,7 +88,7 @@ def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast
     Raises:
         TypeError: a dtype that a byte buffer does not hold exactly (a quantized one, say).
     """
-    if not DENSE_DTYPES.issuperset(dtypes):  # checked here, once per signature, not once per batch
+    if not DENSE_DTYPES.issuperset(dtypes):  # checked here, so a signature laid out before skips the check
         msg = f"Cannot lay out {sorted(map(str, set(dtypes) - DENSE_DTYPES))} in a byte buffer."
         raise TypeError(msg)
     by_key: dict[tuple[torch.dtype, torch.dtype, torch.Size], list[int]] = {}

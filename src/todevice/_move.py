@@ -209,6 +209,7 @@ class State:
     """
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
+    aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     wait_all = False  # a .to() object moved to the host: its source device is unknown
 
@@ -335,10 +336,14 @@ def _slot(x: _tree.Slot, s: State) -> torch.Tensor:
 
 def _leaf(x: Any, code: int, s: State) -> Any:
     if code == _tree.SLOT:  # an AliasSlot: a distinct tensor over the same memory as another, a view of its view
-        hit = s.memo.get(id(x))  # the same tensor reached twice is one AliasSlot: one view for both places
+        # The same tensor reached twice is one AliasSlot: one view for both places. Kept per skeleton
+        # filled, since two packed batches may share a skeleton (a copy, a pinned batch).
+        view = _slot(x, s)  # outside a skeleton: the error that says so
+        aliases = s.aliases
+        assert aliases is not None
+        hit = aliases.get(id(x))
         if hit is None:
-            view = _slot(x, s)
-            hit = s.memo[id(x)] = (x, view.view(view.shape))
+            hit = aliases[id(x)] = (x, view.view(view.shape))
         return hit[1]
     if code == _tree.TO:
         return _to_object(x, s)
@@ -484,7 +489,7 @@ def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
         return _run(obj, s, obj)
     staging = _layout.staging(taken.layout.nbytes, pinned=_stream.is_accelerator(p.dev))
     _layout.write(staging, taken.layout, taken.tensors)
-    s.views = _send(s, staging, taken.layout)
+    s.views, s.aliases = _send(s, staging, taken.layout), {}
     return _run(taken.skeleton, s, obj)
 
 
@@ -511,13 +516,14 @@ def unpack(s: State, batch: Any) -> Any:
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
     skeleton = batch.skeleton
-    outer, s.views = s.views, views
+    outer = s.views, s.aliases
+    s.views, s.aliases = views, {}
     try:
         out = _careful(skeleton, s)
     except LeafError as failure:
         raise failure.within(batch, skeleton) from None  # the walk the batch is in names the path
     finally:
-        s.views = outer
+        s.views, s.aliases = outer
     s.memo[id(batch)] = (batch, out)
     return out
 
