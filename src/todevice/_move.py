@@ -63,10 +63,8 @@ class Plan(NamedTuple):
     dev: torch.device
     non_blocking: bool
     dtype: torch.dtype | None
-    keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor
     one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
-    plain: bool  # a copy is ``t.to(dev)``: no cast, and nothing asynchronous
     walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
     careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
     coalesce: bool  # coalesce by default: from the host to an accelerator
@@ -88,7 +86,7 @@ def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
 @functools.lru_cache(maxsize=64)
 def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Plan:
     """The plan for moves to ``dev`` with these options."""
-    keep: Callable[[torch.Tensor], bool]
+    keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     if dtype is None and dev.type == "cpu":
         keep = operator.attrgetter("is_cpu")  # a C call; `t.device == dev` makes a device object first
     elif dtype is None and dev.type == "meta":
@@ -99,7 +97,8 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     else:
         keep = lambda t: t.device == dev and (t.dtype == dtype or not _casts(t))  # noqa: E731
     mps = dev.type == "mps"
-    plain = dtype is None and (not non_blocking or dev.type == "meta")  # non_blocking means nothing for meta
+    # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
+    plain = dtype is None and (not non_blocking or dev.type == "meta")
 
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
@@ -164,7 +163,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     host = dev.type in _stream.HOST_TYPES
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of) if host else None
-    return Plan(dev, non_blocking, dtype, keep, to, one, plain, walk, careful, not host, to_host)
+    return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host, to_host)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
