@@ -53,6 +53,16 @@ class DictData(Dataset[dict[str, Any]]):
         return sample
 
 
+class ImageData(Dataset[dict[str, Any]]):
+    """Samples of a 12 KiB image and an int label: a batch of 8 images is over the coalescing limit."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"image": torch.randn(3, 32, 32, generator=torch.Generator().manual_seed(i)), "label": i}
+
+
 class PairData(Dataset[Pair]):
     def __len__(self) -> int:
         return 10

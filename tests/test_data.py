@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,19 @@ def test_persistent_workers_over_epochs() -> None:
     first, second = list(batches_in), list(batches_in)
     assert_same_batches(first, batches(data, batch_size=3))
     assert_same_batches(second, first)
+
+
+def test_a_kept_label_keeps_only_the_small_tensors_memory_alive() -> None:
+    """A collated batch's images are tensors of their own; its small tensors share one small buffer."""
+    loader = DataLoader(ds.ImageData(), batch_size=8, num_workers=2, collate_fn=todevice.collate())
+    plain = list(DataLoader(ds.ImageData(), batch_size=8))
+    for packed, expected in zip(loader, plain):
+        assert isinstance(packed, todevice.PackedBatch)
+        batch = packed.unpack()
+        label, image = batch["label"], batch["image"]
+        assert torch.equal(label, expected["label"]) and torch.equal(image, expected["image"])
+        assert label.untyped_storage().nbytes() == 64  # 8 int64 labels, and no image bytes
+        assert image.untyped_storage().nbytes() == image.nbytes == 8 * 3 * 32 * 32 * 4
 
 
 def test_namedtuple_samples() -> None:
@@ -189,9 +204,32 @@ def test_prefetch_keeps_depth_batches_in_flight(fake_streams: dict[str, Any]) ->
     for k, batch in enumerate(loader):
         assert batch["i"] == k
         assert fake_streams["received"][-1] == k  # handed over just before it is used
-        assert fake_streams["issued"][-1] == min(k + 2, 5)  # and two more already on their way
+        assert fake_streams["issued"][-1] == min(k + 1, 5)  # the next one on its way; one more once this is let go
     list(loader)
     assert len(fake_streams["streams"]) == 1  # one side stream for every epoch
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetch_holds_at_most_depth_batches_beyond_the_one_in_use(
+    fake_streams: dict[str, Any], monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """Counted with weakrefs as each batch is started: a batch is handed over first, the next started after."""
+    alive: list[weakref.ref[torch.Tensor]] = []
+    counts: list[int] = []
+    real_move = todevice.move
+
+    def tracked(batch: Any, dev: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real_move(batch, dev)
+        alive.append(weakref.ref(out["x"]))
+        gc.collect()
+        counts.append(sum(r() is not None for r in alive))
+        return out
+
+    monkeypatch.setattr(todevice, "move", tracked)
+    source = [{"i": i, "x": torch.ones(1)} for i in range(8)]
+    for k, batch in enumerate(todevice.prefetch(source, "meta", depth=depth)):
+        assert batch["i"] == k
+    assert len(counts) == 8 and max(counts) == depth + 1  # the one in use, and depth on their way
 
 
 def test_a_break_leaves_no_copy_running(fake_streams: dict[str, Any]) -> None:

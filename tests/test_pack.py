@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def packed_tensors(tree: Any) -> list[torch.Tensor]:
     """The tensors pack() takes from ``tree``, in walk order."""
-    return _layout.take(tree, None, None).tensors
+    return _layout.take(tree, _move.COALESCE_MAX_BYTES, None, grad=True).tensors
 
 
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = True) -> Any:
@@ -62,6 +62,23 @@ def test_every_view_is_aligned_and_the_buffer_is_tight(tree: Any) -> None:
             assert v.data_ptr() - base + v.nbytes <= packed.buffer.numel()
     data = sum(-(-t.nbytes // _layout.ALIGN) * _layout.ALIGN for t in packed_tensors(tree))
     assert packed.buffer.numel() <= data + _layout.ALIGN * len(packed.layout.groups)
+
+
+def test_one_kept_small_tensor_holds_only_the_small_tensors_region() -> None:
+    """Coalesced tensors are views of one buffer: a tensor over the limit never shares it."""
+    batch = {
+        "image": torch.randn(4, 3, 64, 64),
+        "label": torch.arange(4),
+        "weight": torch.ones(4),
+        "big": torch.ones(20000),
+    }
+    for out in (todevice.move(batch, "meta", coalesce=True), todevice.pack(batch).unpack()):
+        small = 4 * 8 + 4 * 4  # the int64 labels and the float32 weights, each 16-byte aligned
+        assert out["label"].untyped_storage().nbytes() == small
+        assert out["image"].untyped_storage().nbytes() == batch["image"].nbytes
+        assert out["big"].untyped_storage().nbytes() == batch["big"].nbytes
+    packed = todevice.pack(batch, max_bytes=None)  # everything in one buffer, when asked for
+    assert packed.loose == 0 and packed.unpack()["label"].untyped_storage().nbytes() == packed.buffer.numel()
 
 
 @given(strategies.trees)
@@ -239,12 +256,71 @@ def test_coalesced_errors_still_name_paths() -> None:
         todevice.move({"k": [torch.ones(1), Broken()]}, "meta", coalesce=True)
 
 
-def test_staging_falls_back_to_pageable_memory_without_warnings() -> None:
-    staging = _layout.staging(64, pinned=True)
-    assert staging.numel() == 64 and staging.dtype == torch.uint8
-    if not torch.accelerator.is_available():
-        assert not staging.is_pinned()
-    assert not _layout.staging(64, pinned=False).is_pinned()
+def test_a_failed_pinned_allocation_warns_once_and_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[int] = []
+
+    def no_pinned_memory_left(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tried.append(1)
+        raise torch.OutOfMemoryError("CUDA error: out of memory")
+
+    monkeypatch.setattr(_stream.torch, "empty", no_pinned_memory_left)
+    dev = torch.device("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # as a user's process shows warnings: once per place
+        for _ in range(3):
+            assert _stream.pinned(64, torch.uint8, dev) is None
+    assert len(tried) == 3  # never given up on: the next call tries again
+    assert len(caught) == 1 and "page-locked" in str(caught[0].message)
+
+
+def test_a_backend_without_pinned_memory_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_allocator(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError("no getPinnedMemoryAllocator")
+
+    monkeypatch.setattr(_stream.torch, "empty", no_allocator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _stream.pinned(64, torch.uint8, torch.device("cpu")) is None
+
+
+def test_coalescing_to_meta_never_asks_for_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned memory is the accelerator's: asking for it initialises CUDA, on device 0 if nothing did before."""
+    asked: list[Any] = []
+    monkeypatch.setattr(_stream, "pinned", lambda *args: asked.append(args))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: asked.append("pin_memory"))
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: asked.append("is_pinned"))
+    monkeypatch.setattr(_stream, "is_accelerator", lambda device: device.type not in ("cpu", "meta"))  # as with CUDA
+    tree = {
+        "x": [torch.ones(3) for _ in range(5)],
+        "big": torch.ones(1 << 15),
+        "p": todevice.pack({"y": torch.ones(2)}),
+    }
+    out = todevice.move(tree, "meta", coalesce=True)
+    assert out["x"][0].device == META and out["big"].device == META and out["p"]["y"].device == META
+    assert asked == []
+
+
+def test_pinned_memory_is_allocated_under_the_target_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    entered: list[int] = []
+
+    class Guard:
+        def __init__(self, index: int) -> None:
+            entered.append(index)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(_stream, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(_stream, "current_index", lambda: 0)
+    monkeypatch.setattr(_stream.torch.accelerator, "device_index", Guard)
+    monkeypatch.setattr(_stream.torch, "empty", lambda *a, **k: torch.zeros(a[0], dtype=k["dtype"]))
+    _stream.pinned(8, torch.uint8, torch.device("cuda", 1))  # no CUDA here: only the guard is checked
+    assert entered == [1]
+    _stream.pinned(8, torch.uint8, torch.device("cuda", 0))  # the current device already
+    assert entered == [1]
 
 
 # ---------------------------------------------------------------- streams, with stand-ins
@@ -288,13 +364,70 @@ def test_copies_run_on_the_side_stream_and_are_handed_over(monkeypatch: pytest.M
     tree = {"small": [torch.ones(2) for _ in range(3)], "big": torch.ones(100)}
     out = todevice.move(tree, "meta", coalesce=True, coalesce_max_bytes=64, stream=side)  # type: ignore[arg-type]
     assert out["small"][0].device == META and out["big"].device == META
-    assert log[0] == ("wait", "side", "user")  # the side stream waits for work already queued
-    assert log[1] == ("set", "side")
+    assert log[0] == ("set", "side")
+    # Host sources need nothing queued on the user's stream: the side stream never waits for it,
+    # so its copies overlap the user's work.
+    assert ("wait", "side", "user") not in log
     assert set(seen_streams) == {"side"}  # every copy was issued on the side stream
     assert ("set", "user") in log and log.index(("set", "user")) < log.index(("wait", "user", "side"))
     assert current[0] is user  # the user's stream is current again
     assert asked[0] is side.device  # the user's stream is the one on the side stream's device
     assert recorded == ["user"] * len(recorded) and len(recorded) == 2  # the coalesced buffer and "big"
+
+
+def test_a_side_stream_waits_for_the_users_before_copying_accelerator_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source on an accelerator may still be written by the user's stream: the first such copy waits once."""
+    log: list[tuple[str, ...]] = []
+    user, side = FakeStream("user", log), FakeStream("side", log)
+    s = _move.State(_move.plan(META, True, None))
+    s.streams = (user, side)  # type: ignore[assignment]
+
+    class OnAGpu:
+        is_cpu = is_meta = False
+
+    for host in (torch.ones(2), torch.ones(2, device="meta")):
+        _move._order(host, s)
+    assert log == []
+    for _ in range(3):
+        _move._order(OnAGpu(), s)  # type: ignore[arg-type]
+    assert log == [("wait", "side", "user")]
+
+
+class DeviceStream(FakeStream):
+    def __init__(self, name: str, log: list[tuple[str, ...]], device: torch.device) -> None:
+        super().__init__(name, log)
+        self.device = device
+
+
+def test_the_current_device_and_stream_are_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making a stream current makes its device current too: both come back as they were."""
+    log: list[tuple[str, ...]] = []
+    state = {"device": 0, "stream": {0: DeviceStream("user0", log, torch.device("cuda", 0))}}
+    state["stream"][1] = DeviceStream("user1", log, torch.device("cuda", 1))  # type: ignore[index]
+    side = DeviceStream("side", log, torch.device("cuda", 1))
+
+    def set_stream(s: Any) -> None:
+        state["device"] = s.device.index
+        state["stream"][s.device.index] = s  # type: ignore[index]
+
+    monkeypatch.setattr(_stream, "is_accelerator", lambda device: device.type == "cuda")
+    monkeypatch.setattr(_stream, "current_index", lambda: state["device"])
+    monkeypatch.setattr(_stream.torch.accelerator, "current_stream", lambda device: state["stream"][device.index])  # type: ignore[index]
+    monkeypatch.setattr(_stream.torch.accelerator, "set_stream", set_stream)
+    monkeypatch.setattr(_stream.torch.accelerator, "set_device_index", lambda i: state.__setitem__("device", i))
+    entered = _stream.enter_stream(side, torch.device("cuda", 1))  # type: ignore[arg-type]
+    assert state["device"] == 1 and state["stream"][1] is side  # type: ignore[index]
+    _stream.leave_stream(entered)
+    assert state["device"] == 0  # the caller's device
+    assert state["stream"][1].name == "user1" and state["stream"][0].name == "user0"  # type: ignore[index]
+
+
+def test_a_stream_of_another_device_is_refused() -> None:
+    log: list[tuple[str, ...]] = []
+    side = DeviceStream("side", log, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"Cannot copy to cuda:1 on a stream of cuda:0"):
+        _stream.enter_stream(side, torch.device("cuda", 1))  # type: ignore[arg-type]
+    assert log == []
 
 
 # ---------------------------------------------------------------- across a real device boundary

@@ -21,7 +21,7 @@ import optree
 import torch
 
 import todevice
-from todevice import _layout, _stream, _walk
+from todevice import _stream, _walk
 
 
 def recursive_to_device(data: Any, device: Any) -> Any:
@@ -442,7 +442,9 @@ def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
         return statistics.median(samples)
 
     rows: list[dict[str, Any]] = []
-    limit = _layout.staging(256 * 1024 * 1024, pinned=True)  # page-locked where the backend has it
+    limit = _stream.pinned(256 * 1024 * 1024, torch.uint8, dev)  # page-locked where the backend has it
+    if limit is None:
+        limit = torch.empty(256 * 1024 * 1024, dtype=torch.uint8)
     single = timed(lambda: limit.to(dev, non_blocking=True))
     pinned = "pinned" if limit.is_pinned() else "pageable (no pinned memory here)"
     rows.append(

@@ -19,11 +19,12 @@ B = TypeVar("B")
 
 def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     # default_collate stacks each field straight into a shared-memory segment when it runs in a
-    # worker; the batch is packed into one buffer right after, so those segments would be waste.
+    # worker. The small fields are packed into one buffer right after, so theirs would be waste;
+    # a large field stays a tensor of its own, and goes there as default_collate puts it.
     elem = batch[0]
-    if elem.is_nested or elem.layout is not torch.strided:
-        refused: torch.Tensor = collate_tensor_fn(batch)  # refuses them, with torch's own message
-        return refused
+    if elem.is_nested or elem.layout is not torch.strided or elem.nbytes * len(batch) > _move.COALESCE_MAX_BYTES:
+        stacked: torch.Tensor = collate_tensor_fn(batch)  # refuses nested and sparse ones, with torch's message
+        return stacked
     return torch.stack(batch, 0)
 
 
@@ -151,30 +152,55 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
             _close(source)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
-        pending: collections.deque[tuple[Any, list[torch.Tensor], torch.Event]] = collections.deque()
-        source = iter(self.iterable)
-        failed: BaseException | None = None  # raised once the batches before it have been used
-        try:
-            while True:
-                while failed is None and len(pending) <= self.depth:
-                    try:
-                        batch = next(source)
-                        pending.append(_move.move_on_stream(batch, self.device, self.non_blocking, side))
-                    except StopIteration:
-                        failed = StopIteration()
-                    except Exception as err:
-                        failed = err
-                if not pending:
-                    if failed is not None and not isinstance(failed, StopIteration):
-                        raise failed
-                    return
-                out, outputs, copied = pending.popleft()
-                _stream.receive(copied, outputs, self.device)
-                yield out
-        finally:
-            if pending:
-                side.synchronize()  # a break or an error: no copy is left running behind the loop
-            _close(source)
+        def start(batch: Any) -> tuple[Any, list[torch.Tensor], torch.Event]:
+            return _move.move_on_stream(batch, self.device, self.non_blocking, side)
+
+        def finish(moved: tuple[Any, list[torch.Tensor], torch.Event]) -> Any:
+            out, outputs, copied = moved
+            _stream.receive(copied, outputs, self.device)
+            return out
+
+        return _window(iter(self.iterable), self.depth, start, finish, side.synchronize)
+
+
+def _window(
+    source: Iterator[Any],
+    depth: int,
+    start: Callable[[Any], Any],
+    finish: Callable[[Any], Any],
+    abandon: Callable[[], None],
+) -> Iterator[Any]:
+    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead.
+
+    A batch is handed over first and the next one is started after, when the loop asks again: by
+    then the loop has let go of the batch before. So at most ``depth`` batches are in flight beyond
+    the one in use. An exception from ``source`` reaches the loop once the batches before it have
+    been handed over. ``abandon`` runs when the loop stops early with batches still in flight.
+    """
+    pending: collections.deque[Any] = collections.deque()
+    failed: BaseException | None = None  # raised once the batches before it have been used
+
+    def refill() -> None:
+        nonlocal failed
+        while failed is None and len(pending) < depth:
+            try:
+                pending.append(start(next(source)))
+            except StopIteration:
+                failed = StopIteration()
+            except Exception as err:
+                failed = err
+
+    try:
+        refill()
+        while pending:
+            yield finish(pending.popleft())
+            refill()
+        if failed is not None and not isinstance(failed, StopIteration):
+            raise failed
+    finally:
+        if pending:
+            abandon()  # a break or an error: no copy is left running behind the loop
+        _close(source)
 
 
 def _close(source: Iterator[Any]) -> None:

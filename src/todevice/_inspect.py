@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -46,20 +45,10 @@ def _tensors(obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None
             elif isinstance(node, nn.Module):
                 yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:
-                for part, inner in _inside(node):
+                for part, inner in _walk.inside(node):
                     yield from _tensors(inner, prefix + path + part)
     except _walk.CycleError as cycle:
         raise ValueError(_walk.cycle_message(cycle, "inspect")) from None
-
-
-def _inside(obj: Any) -> Iterator[tuple[str, Any]]:
-    """What an object with its own ``.to()`` holds, for diagnostics: a guess, never used to move."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        yield from ((f".{name}", value) for name, value in zip(obj._fields, obj))
-    elif isinstance(obj, collections.abc.Mapping):
-        yield from ((f"[{key!r}]", value) for key, value in obj.items())
-    else:
-        yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
 
 
 def devices(obj: Any, /) -> dict[str, torch.device]:

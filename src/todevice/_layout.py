@@ -228,20 +228,6 @@ def read(
     return pick(views, lay.order)
 
 
-def staging(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A uint8 host buffer, page-locked when ``pinned`` and the backend has pinned memory.
-
-    Page-locked blocks come from PyTorch's caching host allocator, which reuses them and does not
-    hand a block out again while a copy from it is still in flight (the copy records an event on it).
-    """
-    if pinned:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError:  # a backend without pinned memory
-            pass
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
 # ---------------------------------------------------------------- taking the tensors out
 
 
@@ -295,18 +281,19 @@ _shape_of = operator.attrgetter("shape")
 class _Taking:
     """One take's state: the tensors taken, in walk order, and those left in the skeleton."""
 
-    __slots__ = ("by_id", "by_ptr", "loose", "max_bytes", "tensors")
+    __slots__ = ("by_id", "by_ptr", "grad", "loose", "max_bytes", "tensors")
 
-    def __init__(self, max_bytes: int | None) -> None:
+    def __init__(self, max_bytes: int | None, grad: bool) -> None:
         self.max_bytes = max_bytes
+        self.grad = grad
         self.tensors: list[torch.Tensor] = []
-        self.loose: list[torch.Tensor] = []
+        self.loose: list[Any] = []  # tensors and objects with .to() left in the skeleton
         self.by_ptr: dict[int, list[int]] = {}  # careful take: data_ptr -> indices of the tensors taken there
         self.by_id: dict[int, tuple[torch.Tensor, Any]] = {}  # careful take: tensor met before -> (tensor, slot)
 
 
 def _take(t: torch.Tensor, s: _Taking) -> Any:
-    """The optimistic take: a slot for every plain host tensor (up to ``max_bytes``, needing no grad).
+    """The optimistic take: a slot for every plain host tensor (up to ``max_bytes``; needing grad if ``grad``).
 
     Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk.
     """
@@ -319,9 +306,12 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
             big = t.nbytes > max_bytes
         except RuntimeError:  # sparse tensors have no nbytes
             big = True
-        if big or t.requires_grad:
+        if big:
             s.loose.append(t)
-            return t  # move() coalesces small tensors that need no autograd only
+            return t  # a large tensor keeps its own memory
+    if t.requires_grad and not s.grad:
+        s.loose.append(t)
+        return t  # move() coalesces tensors that need no autograd only
     tensors = s.tensors
     tensors.append(t)
     try:
@@ -339,7 +329,8 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
         or t.dtype not in DENSE_DTYPES
         or t.layout is not torch.strided  # sparse and mkldnn tensors travel as they are
         or t.is_nested
-        or (max_bytes is not None and (t.requires_grad or t.nbytes > max_bytes))
+        or (max_bytes is not None and t.nbytes > max_bytes)
+        or (t.requires_grad and not s.grad)
     ):
         s.loose.append(t)
         return t
@@ -361,7 +352,10 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
 
 
 def _as_it_is(x: Any, code: int, s: _Taking) -> Any:
-    return x  # objects with .to(), packed batches, unknown objects: left in the skeleton
+    """Objects with .to(), packed batches, unknown objects: left in the skeleton (the first counted as loose)."""
+    if code == _tree.TO:
+        s.loose.append(x)
+    return x
 
 
 _TAKE = _walk.make(NEVER, _take, _as_it_is, _tree.kind_for_packing)
@@ -374,16 +368,16 @@ class Taken(NamedTuple):
     skeleton: Any  # the structure, a slot where each taken tensor was
     tensors: list[torch.Tensor]  # the taken tensors, in walk order
     layout: Layout
-    loose: int  # tensors left in the skeleton
+    loose: int  # tensors and objects with .to() left in the skeleton
 
 
-def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None) -> Taken:
-    """Take every plain dense host tensor out of ``obj`` (with ``max_bytes``, the small ones needing no grad).
+def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False) -> Taken:
+    """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``).
 
     Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
     a registered flatten.
     """
-    taking = _Taking(max_bytes)
+    taking = _Taking(max_bytes, grad)
     skeleton = _TAKE.walk(obj, taking)
     tensors = taking.tensors
     try:
@@ -395,7 +389,7 @@ def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None) -> Taken:
             return Taken(skeleton, tensors, lay, len(taking.loose))
     except (RuntimeError, TypeError):
         pass
-    taking = _Taking(max_bytes)
+    taking = _Taking(max_bytes, grad)
     skeleton = _TAKE_CAREFULLY.walk(obj, taking)
     tensors = taking.tensors
     lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)

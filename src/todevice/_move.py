@@ -27,6 +27,17 @@ _Tensor = torch.Tensor
 # about equals the launch it saves, and beyond it the launch is the cheaper.
 COALESCE_MAX_BYTES = 64 * 1024
 
+# A pageable host tensor that is not coalesced crosses through page-locked memory in chunks of this
+# size: the copy of one chunk runs while the next is being filled, and the pinned blocks, which the
+# caching host allocator hands out again once their copy has finished, stay few and small.
+STAGE_CHUNK_BYTES = 4 * 1024 * 1024
+
+# Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
+# stays asynchronous until the one wait before move() returns); larger ones are copied into
+# pageable memory. The caching host allocator keeps every pinned block it ever made, rounded up to a
+# power of two, so a 640 MiB result would otherwise lock 1 GiB of host memory for good.
+PINNED_RESULT_MAX_BYTES = COALESCE_MAX_BYTES
+
 # Types whose .to() is known to return a new object and leave the original alone; any other
 # .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
 # PyG Data) move their contents in place and return self, which would mutate the input.
@@ -100,15 +111,24 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
     plain = dtype is None and (not non_blocking or dev.type == "meta")
 
+    host = dev.type in _stream.HOST_TYPES
+    to_host = dev.type == "cpu" and non_blocking
+    stage = non_blocking and not host  # pageable sources cross through pinned memory
+
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
             return t.to(dev)  # parses fastest
         cast = dtype if dtype is not None and _casts(t) else None
-        # Pageable-to-MPS async copies can return zeros (pytorch#83015): only pinned sources go async.
-        nb = non_blocking and not (mps and not t.is_pinned())
+        if stage and t.is_cpu:
+            out = _staged(t, dev, cast)
+            if out is not None:
+                return out
+        nb = non_blocking
+        if to_host:
+            nb = _nbytes(t) <= PINNED_RESULT_MAX_BYTES
+        elif mps:  # pageable-to-MPS async copies can return zeros (pytorch#83015): only pinned sources go async
+            nb = nb and t.is_pinned()
         return t.to(dev, cast, non_blocking=nb)
-
-    to_host = dev.type == "cpu" and non_blocking
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if keep(t):
@@ -160,10 +180,60 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     # repeated tensor, in host memory for the length of the call. On an accelerator that copy would
     # hold device memory, and a copy launch costs far more than the memo: there the careful walk is
     # the only one.
-    host = dev.type in _stream.HOST_TYPES
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of) if host else None
     return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host, to_host)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.nbytes
+    except RuntimeError:  # sparse tensors have no nbytes
+        return 0
+
+
+def _staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torch.Tensor | None:
+    """``t.to(dev, cast, non_blocking=True)`` for a pageable host tensor: through pinned memory, in chunks.
+
+    A copy from pageable memory first waits for all work queued on the stream and blocks the host
+    while it does: CUDA stages it through a driver buffer. Here each chunk is copied into a block from
+    the caching host allocator, and that block is sent asynchronously, so the host returns after its
+    own memcpy, and the first chunk's copy runs while the next is filled. The result keeps a dense
+    source's strides, as ``.to()`` does. None for a source this does not apply to: already pinned (it
+    is sent as it is, never read on the host), a subclass, sparse, or one autograd must follow.
+    """
+    if (
+        type(t) is not _Tensor
+        or t.layout is not torch.strided
+        or t.is_nested
+        or t.dtype not in _layout.DENSE_DTYPES
+        or (t.requires_grad and torch.is_grad_enabled())
+        or t.is_pinned()
+    ):
+        return None
+    final = cast or t.dtype
+    out = torch.empty_like(t, dtype=final, device=dev)  # a dense source's strides, as .to() keeps them
+    n = t.numel()
+    if n == 0:
+        return out
+    src = t
+    if out.stride() != t.stride():  # overlapping or with gaps: laid out as the result first, as .to() does
+        src = torch.empty_like(out, dtype=t.dtype, device="cpu")
+        src.copy_(t)
+    # Both now hold their n elements in one span, in the same order: copied as flat chunks.
+    flat_src = src.as_strided((n,), (1,), src.storage_offset())
+    flat_out = out.as_strided((n,), (1,), out.storage_offset())
+    sent = final if final.itemsize < t.dtype.itemsize else t.dtype  # cast on the side with fewer bytes
+    step = max(1, STAGE_CHUNK_BYTES // sent.itemsize)
+    for i in range(0, n, step):
+        piece = flat_src[i : i + step]
+        buffer = _stream.pinned(piece.numel(), sent, dev)
+        if buffer is None:  # no pinned memory here, or none left: the rest as the backend copies it
+            flat_out[i:].copy_(flat_src[i:], non_blocking=True)
+            break
+        buffer.copy_(piece)
+        flat_out[i : i + step].copy_(buffer, non_blocking=True)  # records the block's use for its allocator
+    return out
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -187,6 +257,8 @@ def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
     """``t`` moved and recorded: the copy an optimistic walk made of it already, or a new one."""
     out = s.made.get(id(t))
     if out is None:
+        if s.streams is not None:
+            _order(t, s)
         try:
             out = s.plan.to(t)
         except RecursionError:
@@ -210,7 +282,7 @@ class State:
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
-    wait_all = False  # a .to() object moved to the host: its source device is unknown
+    ordered = False  # on a side stream: whether it waits for the user's stream already
 
     def __init__(self, p: Plan, made: dict[int, torch.Tensor] | None = None) -> None:
         self.plan = p
@@ -220,6 +292,7 @@ class State:
         self.memo: dict[int, tuple[Any, Any]] = {}
         self.made = made or {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
+        self.waits: set[torch.device] = set()  # devices a move to the host waits for, beyond its sources'
 
     def outputs(self) -> list[torch.Tensor]:
         """Every tensor this move made: the coalesced buffers and each tensor copied on its own."""
@@ -229,18 +302,28 @@ class State:
 
     def finish(self) -> None:
         """Wait for asynchronous copies into host memory, so the caller never reads unfinished data."""
-        if not self.plan.to_host:
-            return
-        if self.wait_all:
-            _stream.synchronize_accelerator()
-        else:
-            _wait_for(self.sources)
+        if self.plan.to_host:
+            _wait_for(self.sources, self.waits)
 
 
-def _wait_for(sources: list[torch.Tensor]) -> None:
-    """Wait for the copies into host memory from these tensors' accelerators."""
-    for dev in {t.device for t in sources if not t.is_cpu and not t.is_meta}:
+def _wait_for(sources: list[torch.Tensor], also: set[torch.device] | None = None) -> None:
+    """Wait for the copies into host memory from these tensors' accelerators (and ``also``'s)."""
+    devices = {t.device for t in sources if not t.is_cpu and not t.is_meta}
+    for dev in devices.union(also) if also else devices:
         _stream.synchronize(dev)
+
+
+def _order(t: torch.Tensor, s: State) -> None:
+    """On a side stream, before the first copy from accelerator memory: wait for the user's stream.
+
+    That memory may be written by work queued there. Host memory needs no wait, so a move of host
+    tensors never waits for the user's work and its copies overlap it.
+    """
+    if not s.ordered and not (t.is_cpu or t.is_meta):
+        assert s.streams is not None
+        user, side = s.streams
+        side.wait_stream(user)
+        s.ordered = True
 
 
 _data_ptr = _Tensor.data_ptr
@@ -385,9 +468,28 @@ def _to_object(obj: Any, s: State) -> Any:
         if streams is not None:
             _stream.set_stream(streams[1])
     if p.to_host:
-        s.wait_all = True
+        s.waits.update(_devices_held(obj))
     s.memo[id(obj)] = (obj, out)
     return out
+
+
+def _devices_held(obj: Any) -> set[torch.device]:
+    """The accelerators whose memory an object with ``.to()`` visibly holds: its fields, items and attributes.
+
+    Where none is seen, the current accelerator device: an object hiding its tensors most likely keeps
+    them there. Never every device: synchronizing one creates a CUDA context there (about 0.5 GiB).
+    """
+    found: set[torch.device] = set()
+    try:
+        for _, node in _walk.paths([value for _, value in _walk.inside(obj)]):
+            if isinstance(node, torch.Tensor) and not (node.is_cpu or node.is_meta):
+                found.add(node.device)
+    except _walk.CycleError:
+        pass
+    acc = _stream.accelerator()
+    if not found and acc is not None:
+        found.add(torch.device(acc.type, _stream.current_index()))
+    return found
 
 
 def move(
@@ -486,7 +588,10 @@ def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
         _walk.explain(failure, obj, p.dev)
     if not taken.tensors:
         return _run(obj, s, obj)
-    staging = _layout.staging(taken.layout.nbytes, pinned=_stream.is_accelerator(p.dev))
+    nbytes = taken.layout.nbytes
+    staging = _stream.pinned(nbytes, torch.uint8, p.dev) if _stream.is_accelerator(p.dev) else None
+    if staging is None:  # the host, meta, or no pinned memory
+        staging = torch.empty(nbytes, dtype=torch.uint8)
     _layout.write(staging, taken.layout, taken.tensors)
     s.views, s.aliases = _send(s, staging, taken.layout), {}
     return _run(taken.skeleton, s, obj)
@@ -497,8 +602,15 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
     p = s.plan
     if buffer.device != p.dev:
         nb = p.non_blocking and (buffer.is_pinned() if p.dev.type == "mps" else True)
+        if not buffer.is_cpu:  # a packed batch loaded onto a device
+            if s.streams is not None:
+                _order(buffer, s)
+            if p.to_host:
+                s.waits.add(buffer.device)  # waited for before the move returns
+                nb = nb and buffer.nbytes <= PINNED_RESULT_MAX_BYTES
         try:
-            buffer = buffer.to(p.dev, non_blocking=nb)
+            staged = _staged(buffer, p.dev, None) if buffer.is_cpu and p.non_blocking and p.coalesce else None
+            buffer = staged if staged is not None else buffer.to(p.dev, non_blocking=nb)
         except Exception as err:
             msg = f"Cannot move {len(lay.order)} packed tensors ({lay.nbytes} bytes) to {p.dev}: {err}"
             _walk.raise_with_message(err, msg)
@@ -552,12 +664,12 @@ def move_on_stream(
 
 def _on_stream(obj: Any, s: State, stream: torch.Stream, coalesce: bool, max_bytes: int) -> tuple[Any, torch.Stream]:
     """``obj`` moved with its copies issued on ``stream``; the result, and the user's stream (current again)."""
-    user = _stream.enter_stream(stream, s.plan.dev)
-    s.streams = (user, stream)
+    entered = _stream.enter_stream(stream, s.plan.dev)
+    s.streams = (entered.user, stream)
     try:
-        return (_coalesced(obj, s, max_bytes) if coalesce else _run(obj, s, obj)), user
+        return (_coalesced(obj, s, max_bytes) if coalesce else _run(obj, s, obj)), entered.user
     finally:
-        _stream.set_stream(user)
+        _stream.leave_stream(entered)
 
 
 def _check_strict(obj: Any) -> None:

@@ -12,14 +12,19 @@ from todevice import _layout, _move, _walk
 _needs_grad = operator.attrgetter("requires_grad")
 
 
-def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
-    """Pack every plain dense host tensor in ``obj`` into one buffer: the host half of a transfer.
+def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _move.COALESCE_MAX_BYTES) -> PackedBatch:
+    """Pack every plain dense host tensor of ``obj`` up to ``max_bytes`` into one buffer: the host half of a transfer.
 
     The result holds one uint8 buffer with the bytes of every packed tensor (each at a 16-byte
     boundary), the structure with a slot where each tensor was, and the dtypes and shapes. It pickles
     as that one buffer plus a small header, so a DataLoader worker hands over one shared-memory
-    segment per batch instead of one per tensor. ``pack(obj).unpack()`` equals ``obj``, value for
-    value and type for type; tensors that required grad come back as leaves requiring grad.
+    segment for all the small tensors of a batch instead of one per tensor. ``pack(obj).unpack()``
+    equals ``obj``, value for value and type for type; tensors that required grad come back as
+    leaves requiring grad.
+
+    Tensors larger than ``max_bytes`` (images, say) stay in the structure as they are, each in its
+    own memory: a packed tensor is a view of the whole buffer wherever it goes, so a kept label
+    would otherwise keep the batch's images alive with it.
 
     Example:
         >>> import torch, todevice
@@ -33,6 +38,7 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
     Args:
         obj: Any structure :func:`todevice.move` accepts.
         shared: Put the buffer in shared memory, as a DataLoader worker wants it.
+        max_bytes: The largest tensor packed, 64 KiB by default; None packs every tensor.
 
     Returns:
         The :class:`todevice.PackedBatch`.
@@ -43,7 +49,7 @@ def pack(obj: Any, /, *, shared: bool = False) -> PackedBatch:
     .. versionadded:: 0.1.0
     """
     try:
-        taken = _layout.take(obj, None, None)
+        taken = _layout.take(obj, max_bytes, None, grad=True)
     except _walk.LeafError as failure:
         _walk.explain(failure, obj, None, verb="pack")
     except RecursionError as err:
@@ -100,7 +106,7 @@ class PackedBatch:
         self.layout = layout
         self.skeleton = skeleton
         self.requires_grad = requires_grad  # slots whose tensor required grad
-        self.loose = loose  # tensors left in the skeleton, not packed (sparse, subclasses, ...)
+        self.loose = loose  # tensors and .to() objects left in the skeleton (large, sparse, subclasses, ...)
 
     def __repr__(self) -> str:
         n = len(self.layout.order)
@@ -114,7 +120,8 @@ class PackedBatch:
         """This batch with its buffer in page-locked memory: one call, whatever the batch holds.
 
         ``DataLoader(pin_memory=True)`` calls it. Where no pinned memory exists, the batch comes back
-        as it is. Tensors that could not be packed are pinned one by one, as the DataLoader does.
+        as it is. Tensors that were not packed, and objects with their own ``.to()``, are pinned one by
+        one, as the DataLoader pins them.
         """
         try:
             buffer = self.buffer.pin_memory()

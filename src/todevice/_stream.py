@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Union
+import warnings
+from typing import Any, NamedTuple, Union
 
 import torch
 
@@ -124,11 +126,38 @@ def synchronize(device: torch.device) -> None:
         sync()
 
 
-def synchronize_accelerator() -> None:
-    """Wait for every device of the accelerator, if there is one (used where the source is unknown)."""
-    if torch.accelerator.is_available():
-        for index in range(torch.accelerator.device_count()):
-            torch.accelerator.synchronize(index)
+def on_device(device: torch.device) -> Any:
+    """A context in which ``device`` is the current accelerator device (nothing to do for the host).
+
+    CUDA makes a process's context on the current device the first time it needs one, pinned host
+    memory included: allocations made for a target are made under that target's device.
+    """
+    if device.index is None or not is_accelerator(device) or device.index == current_index():
+        return contextlib.nullcontext()
+    return torch.accelerator.device_index(device.index)
+
+
+def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """Page-locked host memory for a copy to ``device``, from PyTorch's caching host allocator; or None.
+
+    The allocator hands a block out again only once the copies recorded on it have finished, so the
+    caller may drop the tensor as soon as its copy is queued. None where the backend has no pinned
+    memory, and where allocating it failed: that failure is reported once, and the next call tries
+    again.
+    """
+    try:
+        with on_device(device):
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+    except NotImplementedError:  # a backend without pinned memory: its copies are synchronous anyway
+        return None
+    except RuntimeError as err:
+        msg = (
+            f"todevice: could not allocate page-locked host memory ({type(err).__name__}); copies to "
+            f"{device.type} go from pageable memory and may block until queued work finishes. Free pinned "
+            f"memory (torch.accelerator.empty_host_cache()) or lower the DataLoader's prefetch."
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=1)  # once per process: warnings keeps the registry
+        return None
 
 
 # ---------------------------------------------------------------- streams
@@ -138,17 +167,39 @@ def set_stream(stream: torch.Stream) -> None:
     torch.accelerator.set_stream(stream)
 
 
-def enter_stream(stream: torch.Stream, device: torch.device) -> torch.Stream:
-    """Make ``stream`` current for ``device``'s copies; returns the stream that was current.
+class Entered(NamedTuple):
+    """What :func:`enter_stream` changed: the user's stream on the side stream's device, and the current device."""
 
-    The side stream first waits for the current one: a source written on the current stream
-    (a device-to-device or device-to-host move) must be complete before it is copied.
+    user: torch.Stream
+    device_index: int | None
+
+
+def enter_stream(stream: torch.Stream, device: torch.device) -> Entered:
+    """Make ``stream`` current for ``device``'s copies.
+
+    The side stream does not wait for the user's: a copy from host memory needs nothing queued
+    there, so it starts at once. A copy from accelerator memory waits first (:func:`order`).
+
+    Raises:
+        ValueError: ``stream`` is on another device than ``device``, an accelerator target.
     """
-    # The stream's own device: a move to the host copies on the source accelerator's stream.
+    if device.type not in HOST_TYPES and (stream.device.type, stream.device.index) != (device.type, device.index):
+        msg = (
+            f"Cannot copy to {device} on a stream of {stream.device}: a stream issues work on its own "
+            f"device only. Pass a stream made with torch.Stream(device='{device}')."
+        )
+        raise ValueError(msg)
+    index = current_index() if is_accelerator(stream.device) else None
     user = torch.accelerator.current_stream(stream.device)
-    stream.wait_stream(user)
-    torch.accelerator.set_stream(stream)
-    return user
+    torch.accelerator.set_stream(stream)  # also makes the stream's device current
+    return Entered(user, index)
+
+
+def leave_stream(entered: Entered) -> None:
+    """Undo :func:`enter_stream`: the user's stream, and the device that was current, are current again."""
+    torch.accelerator.set_stream(entered.user)
+    if entered.device_index is not None and current_index() != entered.device_index:
+        torch.accelerator.set_device_index(entered.device_index)
 
 
 def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor]) -> None:

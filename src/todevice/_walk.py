@@ -9,6 +9,7 @@ by the same rules, for error messages, ``strict=True`` and the diagnostics.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
@@ -300,3 +301,13 @@ def explain(
     where = format_path((path or "") + failure.inner)
     target = f" to {dev}" if dev is not None else ""
     raise_with_message(cause, f"Cannot {verb} {where} ({describe(failure.shown)}){target}: {cause}")
+
+
+def inside(obj: Any) -> Iterator[tuple[str, Any]]:
+    """What an object with its own ``.to()`` holds, for diagnostics: a guess: never used to move it."""
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        yield from ((f".{name}", value) for name, value in zip(obj._fields, obj))
+    elif isinstance(obj, collections.abc.Mapping):
+        yield from ((f"[{key!r}]", value) for key, value in obj.items())
+    else:
+        yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())

@@ -20,6 +20,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 _setup_privateuseone_for_python_backend("tdtest")
 
 COPIES = {"h2d": 0, "d2h": 0, "d2d": 0}
+NON_BLOCKING: list[tuple[str, bool]] = []  # (direction, non_blocking) of every copy
 
 
 class TDTensor(torch.Tensor):
@@ -62,12 +63,15 @@ def empty_strided(
 def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if src.device.type == "tdtest" and dst.device.type == "tdtest":
         COPIES["d2d"] += 1
+        NON_BLOCKING.append(("d2d", non_blocking))
         dst.raw.copy_(src.raw)  # type: ignore[attr-defined]
     elif src.device.type == "tdtest":
         COPIES["d2h"] += 1
+        NON_BLOCKING.append(("d2h", non_blocking))
         dst.copy_(src.raw)  # type: ignore[attr-defined]
     else:
         COPIES["h2d"] += 1
+        NON_BLOCKING.append(("h2d", non_blocking))
         dst.raw.copy_(src)  # type: ignore[attr-defined]
     return dst
 

@@ -14,6 +14,7 @@ from hypothesis import given
 import todevice
 from tests import helpers, strategies
 from tests.backend import tdtest
+from todevice import _move
 
 DEV = torch.device("tdtest", 0)
 
@@ -98,3 +99,153 @@ def test_random_trees_round_trip(tree: Any) -> None:
     expected = helpers.reference_move(tree, "cpu")
     # requires_grad does not survive inference mode; values, types and structure do.
     helpers.assert_same_tree(back, expected, values=True, grad=False)
+
+
+# ---------------------------------------------------------------- staging through pinned memory
+
+
+@pytest.fixture
+def pinned_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pinned memory for a backend that has none: plain host blocks, counted; chunks of 1 KiB."""
+    sizes: list[int] = []
+
+    def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        sizes.append(numel * dtype.itemsize)
+        return torch.empty(numel, dtype=dtype)
+
+    monkeypatch.setattr(_move._stream, "pinned", pinned)
+    monkeypatch.setattr(_move, "STAGE_CHUNK_BYTES", 1024)
+    return sizes
+
+
+def test_a_large_pageable_tensor_crosses_in_chunks_through_pinned_memory(pinned_stand_in: list[int]) -> None:
+    big = torch.randn(2560)  # 10 KiB: ten chunks of 1 KiB
+    tree = {"big": big, "small": [torch.randn(2) for _ in range(5)]}
+    before = tdtest.COPIES["h2d"]
+    del tdtest.NON_BLOCKING[:]
+    there, back = there_and_back(tree, coalesce_max_bytes=1024)
+    assert tdtest.COPIES["h2d"] - before == 11  # the small ones together, the big one in ten chunks
+    assert all(nb for kind, nb in tdtest.NON_BLOCKING if kind == "h2d")
+    assert pinned_stand_in.count(1024) == 10
+    assert there["big"].raw.untyped_storage().nbytes() == big.nbytes  # its own allocation
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(40, 64).t(),  # dense, transposed: its strides are kept, as .to() keeps them
+        lambda: torch.randn(40, 128)[:, ::2],  # with gaps: laid out contiguously first
+        lambda: torch.randn(1, 3, 40, 40).contiguous(memory_format=torch.channels_last),
+        lambda: torch.randn(1).expand(3000),  # overlapping
+        lambda: torch.randn(0, 5),
+        lambda: torch.randint(0, 9, (3001,), dtype=torch.int8),  # an odd number of bytes
+    ],
+)
+def test_staged_values_and_strides_match_to(pinned_stand_in: list[int], make: Any) -> None:
+    src = make()
+    with torch.inference_mode():
+        there = todevice.move(src, "tdtest", coalesce=False)
+        expected = src.to("tdtest")
+        back = todevice.move(there, "cpu", non_blocking=False)
+    assert there.shape == src.shape and there.stride() == expected.stride()
+    assert torch.equal(back, src)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_staged_cast_sends_the_smaller_dtype(pinned_stand_in: list[int], dtype: torch.dtype) -> None:
+    src = torch.randn(1000)  # 4,000 bytes of float32
+    with torch.inference_mode():
+        there = todevice.move(src, "tdtest", dtype=dtype, coalesce=False)
+        back = todevice.move(there, "cpu", non_blocking=False)
+    assert there.dtype == dtype and torch.equal(back, src.to(dtype))
+    assert sum(pinned_stand_in) == 1000 * min(dtype.itemsize, 4)
+
+
+def test_a_pinned_source_is_sent_as_it_is(pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never read on the host: its copy is ordered on the stream, after any write queued to it."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)
+    src = torch.randn(2560)
+    before = tdtest.COPIES["h2d"]
+    with torch.inference_mode():
+        back = todevice.move(todevice.move({"big": src}, "tdtest", coalesce_max_bytes=1024), "cpu", non_blocking=False)
+    assert tdtest.COPIES["h2d"] - before == 1 and pinned_stand_in == []
+    assert torch.equal(back["big"], src)
+
+
+def test_staging_goes_on_from_pageable_memory_when_pinned_memory_runs_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    given: list[int] = []
+
+    def two_blocks(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        given.append(numel)
+        return torch.empty(numel, dtype=dtype) if len(given) <= 2 else None
+
+    monkeypatch.setattr(_move._stream, "pinned", two_blocks)
+    monkeypatch.setattr(_move, "STAGE_CHUNK_BYTES", 1024)
+    src = torch.randn(2560)
+    before = tdtest.COPIES["h2d"]
+    with torch.inference_mode():
+        back = todevice.move(todevice.move(src, "tdtest", coalesce=False), "cpu", non_blocking=False)
+    assert tdtest.COPIES["h2d"] - before == 3  # two staged chunks, then the rest in one copy
+    assert torch.equal(back, src)
+
+
+@given(strategies.trees)
+def test_random_trees_round_trip_through_small_staging_chunks(tree: Any) -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(_move._stream, "pinned", lambda numel, dtype, device: torch.empty(numel, dtype=dtype))
+        monkeypatch.setattr(_move, "STAGE_CHUNK_BYTES", 16)
+        _, back = there_and_back(tree, coalesce_max_bytes=32)
+    helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
+
+
+# ---------------------------------------------------------------- moves to the host
+
+
+def test_a_large_result_lands_in_pageable_memory() -> None:
+    """Only results up to PINNED_RESULT_MAX_BYTES are copied asynchronously into pinned memory."""
+    with torch.inference_mode():
+        there = todevice.move({"big": torch.randn(1 << 15)}, "tdtest")
+        del tdtest.NON_BLOCKING[:]
+        back = todevice.move(there, "cpu")  # non_blocking=True: tdtest has no pinned memory to land in
+    assert tdtest.NON_BLOCKING == [("d2h", False)]
+    assert not back["big"].is_pinned()
+
+
+class Holder:
+    """An object that moves itself, holding a tensor where only its attributes show it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any, non_blocking: bool = False) -> Holder:
+        return Holder(self.t.to(device))
+
+
+def test_a_to_object_moved_to_the_host_waits_for_its_own_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: synced.append("every device"))  # type: ignore[arg-type]
+    with torch.inference_mode():
+        holder = Holder(torch.ones(3).to("tdtest"))
+        out = todevice.move({"h": holder}, "cpu")
+    assert torch.equal(out["h"].t, torch.ones(3))
+    assert synced == [DEV]
+
+
+def test_a_packed_batch_on_the_device_is_waited_for_before_unpacking_to_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A buffer loaded with torch.load(map_location=...) onto a device: its copy back is waited for."""
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    monkeypatch.setattr(_move, "PINNED_RESULT_MAX_BYTES", 0)  # tdtest has no pinned memory to land in
+    tree = {"x": [torch.randn(3) for _ in range(4)]}
+    packed = todevice.pack(tree)
+    with torch.inference_mode():
+        on_device = todevice.PackedBatch(
+            packed.buffer.to("tdtest"), packed.layout, packed.skeleton, packed.requires_grad, packed.loose
+        )
+        back = on_device.unpack()
+    assert synced == [DEV]
+    helpers.assert_same_tree(back, tree, values=True)
