@@ -256,6 +256,27 @@ def test_coalesced_errors_still_name_paths() -> None:
         todevice.move({"k": [torch.ones(1), Broken()]}, "meta", coalesce=True)
 
 
+def test_pin_memory_pins_large_tensors_and_to_objects_with_the_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What DataLoader(pin_memory=True) calls: the buffer, and everything left in the structure."""
+    pinned: list[int] = []
+
+    def pin(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        pinned.append(self.numel())
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    seq = torch.nn.utils.rnn.pack_padded_sequence(torch.ones(2, 3, 5), [3, 1], batch_first=True)
+    packed = todevice.pack({"x": torch.ones(4), "seq": seq})
+    out = packed.pin_memory().unpack()
+    assert pinned == [packed.buffer.numel(), seq.data.numel()]  # the buffer, and the sequence by its own pin_memory()
+    assert torch.equal(out["seq"].data, seq.data)
+    pinned.clear()
+    image = torch.ones(1 << 15)
+    packed = todevice.pack({"x": torch.ones(4), "image": image})
+    assert torch.equal(packed.pin_memory().unpack()["image"], image)
+    assert pinned == [packed.buffer.numel(), 1 << 15]
+
+
 def test_a_failed_pinned_allocation_warns_once_and_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
     tried: list[int] = []
 

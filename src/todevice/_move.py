@@ -529,24 +529,30 @@ def move(
             :class:`todevice.PackedBatch`.
         device: Target device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``, or an int
             (an index of the current accelerator).
-        non_blocking: Let host-to-accelerator copies run asynchronously.  Copies that land in host
-            memory are waited for before ``move()`` returns, so results are always safe to read.
+        non_blocking: Let host-to-accelerator copies run asynchronously: pageable tensors cross
+            through pinned memory, so the host never waits for queued device work.  Copies that land
+            in host memory are waited for before ``move()`` returns, so results are always safe to
+            read; only results up to 64 KiB land in pinned memory.
         dtype: Cast floating-point and complex tensors to this dtype on the way (as
             ``nn.Module.to(dtype)`` does); integer and bool tensors keep theirs.
         coalesce: Pack small host tensors into one buffer and send it in one copy.  None (the
             default) does so from the host to an accelerator; True for any target but the CPU
             (``"meta"`` included); False never.  Coalesced tensors come back contiguous.
-        coalesce_max_bytes: The largest tensor that is coalesced; larger ones are copied alone.
-        stream: Issue the copies on this stream.  The tensors returned are safe to use on the
-            current stream: it waits for the copies, and they are recorded on it.
+        coalesce_max_bytes: The largest host tensor, pinned or pageable, that is coalesced. A larger
+            one is copied into an allocation of its own, from pageable memory through pinned
+            chunks, so it never shares memory with another tensor of the batch.
+        stream: Issue the copies on this stream, which must be on the target device. Copies from
+            host memory do not wait for the current stream. The tensors returned are safe to use on
+            the current stream: it waits for the copies, and they are recorded on it. The current
+            device and stream are restored.
         strict: Raise instead of passing through objects todevice does not understand.
 
     Returns:
         A structure of the same shape and container types as ``obj``, its tensors on ``device``.
 
     Raises:
-        ValueError: ``device`` is not a valid or available device (before anything is copied), or
-            ``obj`` contains itself.
+        ValueError: ``device`` is not a valid or available device (before anything is copied),
+            ``obj`` contains itself, or ``stream`` is on another device than the target.
         TypeError: ``device`` or ``dtype`` has the wrong type, or ``strict=True`` and ``obj`` holds
             objects that are not tensors, containers, ``.to()`` objects or atomic values.
 
