@@ -37,3 +37,11 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     assert {r["contender"] for r in data["transfer"]["host"]} >= {"pack(batch).unpack()", "per-leaf .to('meta')"}
     assert {r["tensors_per_sample"] for r in data["loader"]} == {10, 100, 400}
     assert "| 100 | todevice.collate() + prefetch(..., 'cpu') |" in out
+
+
+def test_bench_on_a_device_that_is_not_an_accelerator_says_so() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "todevice", "bench", "--device", "cpu"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "--device must name an accelerator; cpu is not one" in done.stderr

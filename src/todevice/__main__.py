@@ -28,6 +28,36 @@ def info() -> None:
     print(f"default device: {acc.type if acc is not None else 'cpu'}")
 
 
+def accelerator_bench(device: str, rounds: int, json_path: str | None) -> int:
+    """``bench --device cuda``: the accelerator's tables, then its tests, in one JSON report."""
+    import os
+    import subprocess
+    import time
+
+    from todevice import _bench
+
+    try:
+        dev = _stream.resolve_device(device)
+    except (TypeError, ValueError) as err:
+        print(f"python -m todevice bench: {err}", file=sys.stderr)
+        return 2
+    if not _stream.is_accelerator(dev):
+        print(f"python -m todevice bench: --device must name an accelerator; {dev} is not one.", file=sys.stderr)
+        return 2
+    with torch.accelerator.device_index(dev.index):
+        tables = _bench.gpu_main(rounds=min(rounds, 10))
+    tests: dict[str, object] = {"skipped": "tests/test_accelerator.py is not here: run from a checkout"}
+    if os.path.exists(os.path.join("tests", "test_accelerator.py")):
+        print("tests/test_accelerator.py:", flush=True)
+        start = time.perf_counter()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_accelerator.py"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        print(done.stdout[-3000:], flush=True)
+        tests = {"exit_code": done.returncode, "seconds": time.perf_counter() - start, "tail": done.stdout[-3000:]}
+    _bench.write_json(json_path, {"device": str(dev), "tables": tables, "tests": tests})
+    return 0 if tests.get("exit_code", 0) == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m todevice", description=todevice.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,9 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--rounds", type=int, default=30, help="interleaved rounds per cell (default 30)")
     bench.add_argument("--batches", type=int, default=20, help="DataLoader batches timed per cell (default 20)")
     bench.add_argument("--json", default=None, help="also write the results to this JSON file")
+    bench.add_argument(
+        "--device",
+        default=None,
+        help="an accelerator ('cuda'): its tables only (bandwidth, host time blocked, the prefetch loop), "
+        "then tests/test_accelerator.py when run from a checkout",
+    )
     args = parser.parse_args(argv)
     if args.command == "info":
         info()
+    elif args.device is not None:
+        return accelerator_bench(args.device, args.rounds, args.json)
     else:
         from todevice import _bench
 

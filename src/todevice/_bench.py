@@ -403,14 +403,20 @@ def host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
-def _device_workloads() -> dict[str, list[torch.Tensor]]:
+def _device_workloads(pinned: bool) -> dict[str, list[torch.Tensor]]:
+    """Random (touched) host tensors, so no copy reads pages the kernel has not mapped yet."""
     kib, mib = 1024, 1024 * 1024
-    mixed = [torch.empty(4 * kib // 4) for _ in range(500)] + [torch.empty(mib // 4) for _ in range(20)]
-    mixed += [torch.empty(16 * mib // 2, dtype=torch.float16) for _ in range(2)]
+
+    def make(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.randn(numel).to(dtype)
+        return t.pin_memory() if pinned else t
+
+    mixed = [make(kib) for _ in range(500)] + [make(mib // 4) for _ in range(20)]
+    mixed += [make(8 * mib, torch.float16) for _ in range(2)]
     return {
-        "1,000 x 4 KiB": [torch.empty(kib) for _ in range(1000)],
-        "100 x 1 MiB": [torch.empty(mib // 4) for _ in range(100)],
-        "8 x 64 MiB": [torch.empty(16 * mib) for _ in range(8)],
+        "1,000 x 4 KiB": [make(kib) for _ in range(1000)],
+        "100 x 1 MiB": [make(mib // 4) for _ in range(100)],
+        "8 x 16 MiB": [make(4 * mib) for _ in range(8)],
         "mixed (500 x 4 KiB, 20 x 1 MiB, 2 x 16 MiB)": mixed,
     }
 
@@ -423,46 +429,195 @@ def _device_contenders(leaves: list[torch.Tensor], dev: torch.device) -> dict[st
     }
 
 
+def _timed(funcs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median seconds of each ``fn()`` with the device work it queued: interleaved rounds, after a warm-up."""
+    samples: dict[str, list[float]] = {name: [] for name in funcs}
+    for fn in funcs.values():
+        fn()  # warm-up: allocator, pinned staging, plan
+    torch.accelerator.synchronize()
+    for _ in range(rounds):
+        for name, fn in funcs.items():
+            start = time.perf_counter()
+            fn()
+            torch.accelerator.synchronize()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in samples.items()}
+
+
 def device_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
     """Host-to-device GB/s of move() against per-leaf .to() and the helper; or why it cannot run."""
     acc = _stream.accelerator()
     if acc is None:
         return "no accelerator on this machine (torch.accelerator.is_available() is False)"
     dev = torch.device(acc.type, _stream.current_index())
-
-    def timed(fn: Callable[[], Any]) -> float:
-        fn()  # warm-up: allocator, pinned staging, plan
-        torch.accelerator.synchronize()
-        samples = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            fn()
-            torch.accelerator.synchronize()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
     rows: list[dict[str, Any]] = []
-    limit = _stream.pinned(256 * 1024 * 1024, torch.uint8, dev)  # page-locked where the backend has it
+    limit = _stream.pinned(128 * 1024 * 1024, torch.uint8, dev)  # the bytes of 8 x 16 MiB, in one pinned copy
     if limit is None:
-        limit = torch.empty(256 * 1024 * 1024, dtype=torch.uint8)
-    single = timed(lambda: limit.to(dev, non_blocking=True))
-    pinned = "pinned" if limit.is_pinned() else "pageable (no pinned memory here)"
+        limit = torch.empty(128 * 1024 * 1024, dtype=torch.uint8)
+    limit.random_(0, 255)
+    single = _timed({"one copy": lambda: limit.to(dev, non_blocking=True)}, rounds)["one copy"]
+    kind = "pinned" if limit.is_pinned() else "pageable (no pinned memory here)"
+    limit_gbs = limit.nbytes / single / 1e9
     rows.append(
         {
-            "workload": f"one {pinned} 256 MiB copy (the link's practical limit)",
+            "workload": f"one {kind} 128 MiB copy (the link's practical limit)",
             "contender": "tensor.to()",
-            "gb_per_s": limit.nbytes / single / 1e9,
+            "gb_per_s": limit_gbs,
+            "ms": single * 1e3,
             "x_single_copy": 1.0,
+            "x_per_leaf_to": None,
         }
     )
-    limit_gbs = limit.nbytes / single / 1e9
-    for name, leaves in _device_workloads().items():
-        nbytes = sum(t.nbytes for t in leaves)
-        funcs = _device_contenders(leaves, dev)
-        for cname, fn in funcs.items():
-            gbs = nbytes / timed(fn) / 1e9
-            rows.append({"workload": name, "contender": cname, "gb_per_s": gbs, "x_single_copy": gbs / limit_gbs})
+    for pinned in (False, True):
+        for name, leaves in _device_workloads(pinned).items():
+            nbytes = sum(t.nbytes for t in leaves)
+            times = _timed(_device_contenders(leaves, dev), rounds)
+            for cname, seconds in times.items():
+                gbs = nbytes / seconds / 1e9
+                rows.append(
+                    {
+                        "workload": f"{name}, {'pinned' if pinned else 'pageable'}",
+                        "contender": cname,
+                        "gb_per_s": gbs,
+                        "ms": seconds * 1e3,
+                        "x_single_copy": gbs / limit_gbs,
+                        "x_per_leaf_to": times["per-leaf .to(non_blocking=True)"] / seconds,
+                    }
+                )
+        del leaves
     return rows
+
+
+def blocked_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
+    """Host ms spent inside a move of 8 x 16 MiB while 50 ms of device work is queued (CUDA only)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA (torch.cuda._sleep queues the work)"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sleep: Callable[[int], None] = torch.cuda._sleep
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    sleep(10_000_000)
+    torch.cuda.synchronize()
+    cycles_50ms = int(10_000_000 / (time.perf_counter() - start) * 0.05)
+    rows: list[dict[str, Any]] = []
+    for pinned in (False, True):
+        leaves = [torch.randn(4 << 20) for _ in range(8)]
+        if pinned:
+            leaves = [t.pin_memory() for t in leaves]
+        funcs = _device_contenders(leaves, dev)
+        samples: dict[str, list[float]] = {name: [] for name in funcs}
+        for fn in funcs.values():
+            fn()  # warm-up
+        torch.cuda.synchronize()
+        for _ in range(rounds):
+            for name, fn in funcs.items():
+                sleep(cycles_50ms)
+                begin = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - begin)
+                torch.cuda.synchronize()
+        for name, t in samples.items():
+            workload = f"8 x 16 MiB {'pinned' if pinned else 'pageable'}, 50 ms of work queued"
+            rows.append({"workload": workload, "contender": name, "host_ms": statistics.median(t) * 1e3})
+    return rows
+
+
+def _timm_style(batches: Any, dev: torch.device) -> Any:
+    """A prefetcher as timm's PrefetchLoader and torchtnt's write it: copy on a side stream, wait at hand-over."""
+    side = torch.Stream(device=dev)
+    ready: Any = None
+    for batch in batches:
+        with side:
+            moved = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+        if ready is not None:
+            yield ready
+        torch.accelerator.current_stream(dev).wait_stream(side)
+        for v in moved.values():
+            v.record_stream(torch.accelerator.current_stream(dev))
+        ready = moved
+    if ready is not None:
+        yield ready
+
+
+def _timm_loop(loop: Callable[[Any], None], batches: Any, dev: torch.device) -> None:
+    loop(_timm_style(batches, dev))
+
+
+def prefetch_rows(rounds: int = 5, steps: int = 20) -> list[dict[str, Any]] | str:
+    """A 20-step loop with a few ms of device work per step: prefetch() against a timm-style prefetcher."""
+    acc = _stream.accelerator()
+    if acc is None:
+        return "no accelerator on this machine"
+    dev = torch.device(acc.type, _stream.current_index())
+    weight = torch.randn(2048, 2048, device=dev)
+    rows: list[dict[str, Any]] = []
+    for pinned in (False, True):
+        batches = []
+        for _ in range(steps):
+            b = {"image": torch.randn(16, 3, 224, 224), "label": torch.randint(0, 1000, (16,))}
+            batches.append({k: v.pin_memory() for k, v in b.items()} if pinned else b)
+
+        def loop(source: Any) -> None:
+            for batch in source:
+                x = batch["image"].flatten(1)[:, :2048]
+                for _ in range(8):
+                    x = x @ weight
+                x.sum().add_(batch["label"].sum())
+
+        ours, theirs = todevice.prefetch(batches, dev), batches
+        contenders: dict[str, Callable[[], Any]] = {
+            "todevice.prefetch": functools.partial(loop, ours),
+            "timm-style prefetcher": functools.partial(_timm_loop, loop, theirs, dev),
+        }
+        times = _timed(contenders, rounds)
+        for name, seconds in times.items():
+            rows.append(
+                {
+                    "workload": f"{steps} steps, 16 x 3 x 224 x 224 {'pinned' if pinned else 'pageable'}",
+                    "contender": name,
+                    "ms": seconds * 1e3,
+                    "x_timm_style": seconds / times["timm-style prefetcher"],
+                }
+            )
+    return rows
+
+
+def gpu_main(rounds: int = 10, json_path: str | None = None) -> dict[str, Any]:
+    """The accelerator's tables: bandwidth, host time blocked, and the prefetch loop."""
+    result: dict[str, Any] = {}
+    sections: list[tuple[str, Callable[[], list[dict[str, Any]] | str], list[tuple[str, str, str]]]] = [
+        (
+            "Host-to-device, end to end (medians)",
+            lambda: device_rows(rounds),
+            [
+                ("ms", ">ms", "{:.2f}"),
+                ("gb_per_s", ">GB/s", "{:.1f}"),
+                ("x_single_copy", ">of one pinned copy", "{:.0%}"),
+                ("x_per_leaf_to", ">faster than per-leaf .to()", "{:.1f}x"),
+            ],
+        ),
+        ("Host time blocked (medians)", lambda: blocked_rows(rounds), [("host_ms", ">host ms", "{:.1f}")]),
+        (
+            "Prefetch loop (medians)",
+            lambda: prefetch_rows(max(3, rounds // 2)),
+            [("ms", ">ms", "{:.1f}"), ("x_timm_style", ">time / timm-style", "{:.2f}x")],
+        ),
+    ]
+    for title, make, fields in sections:
+        print(f"{title}:", flush=True)
+        rows = make()
+        result[title] = rows
+        if isinstance(rows, str):
+            print(f"skipped: {rows}\n")
+            continue
+        columns = ["workload", "contender", *(label for _, label, _ in fields)]
+        cells = [
+            [r["workload"], r["contender"], *("" if r[k] is None else fmt.format(r[k]) for k, _, fmt in fields)]
+            for r in rows
+        ]
+        print(markdown(columns, cells) + "\n", flush=True)
+    write_json(json_path, result)
+    return result
 
 
 def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, Any]:
@@ -471,13 +626,12 @@ def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, A
     columns = ["workload", "contender", ">median (us)", ">time / per-leaf .to('meta')"]
     cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
     print(markdown(columns, cells))
-    device = device_rows()
-    if isinstance(device, str):
-        print(f"\nHost-to-device bandwidth: skipped, {device}.")
+    device: Any = "run python -m todevice bench --device cuda for the accelerator's tables"
+    if _stream.accelerator() is not None:
+        print()
+        device = gpu_main(rounds=max(3, rounds // 3))
     else:
-        columns = ["workload", "contender", ">GB/s", ">of the single-copy figure"]
-        cells = [[r["workload"], r["contender"], f"{r['gb_per_s']:.1f}", f"{r['x_single_copy']:.0%}"] for r in device]
-        print("\n" + markdown(columns, cells))
+        print("\nOn an accelerator: skipped, no accelerator on this machine.")
     result = {"host": host, "device": device}
     write_json(json_path, result)
     return result

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from todevice import _tree, _walk
+from todevice import _stream, _tree, _walk
 
 ALIGN = 16  # bytes: a CUDA vectorised load is 16 bytes (float4)
 
@@ -226,6 +226,58 @@ def read(
                 assert type(g) is Ragged
                 views.extend(_cut(region, g))
     return pick(views, lay.order)
+
+
+# ---------------------------------------------------------------- one large tensor through pinned memory
+
+# A pageable host tensor that is not coalesced crosses through page-locked memory in chunks of this
+# size: the copy of one chunk runs while the next is being filled, and the pinned blocks, which the
+# caching host allocator hands out again once their copy has finished, stay few and small.
+STAGE_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torch.Tensor | None:
+    """``t.to(dev, cast, non_blocking=True)`` for a pageable host tensor: through pinned memory, in chunks.
+
+    A copy from pageable memory first waits for all work queued on the stream and blocks the host
+    while it does: CUDA stages it through a driver buffer. Here each chunk is copied into a block from
+    the caching host allocator, and that block is sent asynchronously, so the host returns after its
+    own memcpy, and the first chunk's copy runs while the next is filled. The result keeps a dense
+    source's strides, as ``.to()`` does. None for a source this does not apply to: already pinned (it
+    is sent as it is, never read on the host), a subclass, sparse, or one autograd must follow.
+    """
+    if (
+        type(t) is not _Tensor
+        or t.layout is not torch.strided
+        or t.is_nested
+        or t.dtype not in DENSE_DTYPES
+        or (t.requires_grad and torch.is_grad_enabled())
+        or t.is_pinned()
+    ):
+        return None
+    final = cast or t.dtype
+    out = torch.empty_like(t, dtype=final, device=dev)  # a dense source's strides, as .to() keeps them
+    n = t.numel()
+    if n == 0:
+        return out
+    src = t
+    if out.stride() != t.stride():  # overlapping or with gaps: laid out as the result first, as .to() does
+        src = torch.empty_like(out, dtype=t.dtype, device="cpu")
+        src.copy_(t)
+    # Both now hold their n elements in one span, in the same order: copied as flat chunks.
+    flat_src = src.as_strided((n,), (1,), src.storage_offset())
+    flat_out = out.as_strided((n,), (1,), out.storage_offset())
+    sent = final if final.itemsize < t.dtype.itemsize else t.dtype  # cast on the side with fewer bytes
+    step = max(1, STAGE_CHUNK_BYTES // sent.itemsize)
+    for i in range(0, n, step):
+        piece = flat_src[i : i + step]
+        buffer = _stream.pinned(piece.numel(), sent, dev)
+        if buffer is None:  # no pinned memory here, or none left: the rest as the backend copies it
+            flat_out[i:].copy_(flat_src[i:], non_blocking=True)
+            break
+        buffer.copy_(piece)
+        flat_out[i : i + step].copy_(buffer, non_blocking=True)  # records the block's use for its allocator
+    return out
 
 
 # ---------------------------------------------------------------- taking the tensors out

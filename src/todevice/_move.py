@@ -27,11 +27,6 @@ _Tensor = torch.Tensor
 # about equals the launch it saves, and beyond it the launch is the cheaper.
 COALESCE_MAX_BYTES = 64 * 1024
 
-# A pageable host tensor that is not coalesced crosses through page-locked memory in chunks of this
-# size: the copy of one chunk runs while the next is being filled, and the pinned blocks, which the
-# caching host allocator hands out again once their copy has finished, stay few and small.
-STAGE_CHUNK_BYTES = 4 * 1024 * 1024
-
 # Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
 # stays asynchronous until the one wait before move() returns); larger ones are copied into
 # pageable memory. The caching host allocator keeps every pinned block it ever made, rounded up to a
@@ -120,7 +115,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
             return t.to(dev)  # parses fastest
         cast = dtype if dtype is not None and _casts(t) else None
         if stage and t.is_cpu:
-            out = _staged(t, dev, cast)
+            out = _layout.staged(t, dev, cast)
             if out is not None:
                 return out
         nb = non_blocking
@@ -190,50 +185,6 @@ def _nbytes(t: torch.Tensor) -> int:
         return t.nbytes
     except RuntimeError:  # sparse tensors have no nbytes
         return 0
-
-
-def _staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torch.Tensor | None:
-    """``t.to(dev, cast, non_blocking=True)`` for a pageable host tensor: through pinned memory, in chunks.
-
-    A copy from pageable memory first waits for all work queued on the stream and blocks the host
-    while it does: CUDA stages it through a driver buffer. Here each chunk is copied into a block from
-    the caching host allocator, and that block is sent asynchronously, so the host returns after its
-    own memcpy, and the first chunk's copy runs while the next is filled. The result keeps a dense
-    source's strides, as ``.to()`` does. None for a source this does not apply to: already pinned (it
-    is sent as it is, never read on the host), a subclass, sparse, or one autograd must follow.
-    """
-    if (
-        type(t) is not _Tensor
-        or t.layout is not torch.strided
-        or t.is_nested
-        or t.dtype not in _layout.DENSE_DTYPES
-        or (t.requires_grad and torch.is_grad_enabled())
-        or t.is_pinned()
-    ):
-        return None
-    final = cast or t.dtype
-    out = torch.empty_like(t, dtype=final, device=dev)  # a dense source's strides, as .to() keeps them
-    n = t.numel()
-    if n == 0:
-        return out
-    src = t
-    if out.stride() != t.stride():  # overlapping or with gaps: laid out as the result first, as .to() does
-        src = torch.empty_like(out, dtype=t.dtype, device="cpu")
-        src.copy_(t)
-    # Both now hold their n elements in one span, in the same order: copied as flat chunks.
-    flat_src = src.as_strided((n,), (1,), src.storage_offset())
-    flat_out = out.as_strided((n,), (1,), out.storage_offset())
-    sent = final if final.itemsize < t.dtype.itemsize else t.dtype  # cast on the side with fewer bytes
-    step = max(1, STAGE_CHUNK_BYTES // sent.itemsize)
-    for i in range(0, n, step):
-        piece = flat_src[i : i + step]
-        buffer = _stream.pinned(piece.numel(), sent, dev)
-        if buffer is None:  # no pinned memory here, or none left: the rest as the backend copies it
-            flat_out[i:].copy_(flat_src[i:], non_blocking=True)
-            break
-        buffer.copy_(piece)
-        flat_out[i : i + step].copy_(buffer, non_blocking=True)  # records the block's use for its allocator
-    return out
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -615,7 +566,7 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
                 s.waits.add(buffer.device)  # waited for before the move returns
                 nb = nb and buffer.nbytes <= PINNED_RESULT_MAX_BYTES
         try:
-            staged = _staged(buffer, p.dev, None) if buffer.is_cpu and p.non_blocking and p.coalesce else None
+            staged = _layout.staged(buffer, p.dev, None) if buffer.is_cpu and p.non_blocking and p.coalesce else None
             buffer = staged if staged is not None else buffer.to(p.dev, non_blocking=nb)
         except Exception as err:
             msg = f"Cannot move {len(lay.order)} packed tensors ({lay.nbytes} bytes) to {p.dev}: {err}"

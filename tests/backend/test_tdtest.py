@@ -14,7 +14,7 @@ from hypothesis import given
 import todevice
 from tests import helpers, strategies
 from tests.backend import tdtest
-from todevice import _move
+from todevice import _layout, _move
 
 DEV = torch.device("tdtest", 0)
 
@@ -114,7 +114,7 @@ def pinned_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return torch.empty(numel, dtype=dtype)
 
     monkeypatch.setattr(_move._stream, "pinned", pinned)
-    monkeypatch.setattr(_move, "STAGE_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 1024)
     return sizes
 
 
@@ -181,7 +181,7 @@ def test_staging_goes_on_from_pageable_memory_when_pinned_memory_runs_out(monkey
         return torch.empty(numel, dtype=dtype) if len(given) <= 2 else None
 
     monkeypatch.setattr(_move._stream, "pinned", two_blocks)
-    monkeypatch.setattr(_move, "STAGE_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 1024)
     src = torch.randn(2560)
     before = tdtest.COPIES["h2d"]
     with torch.inference_mode():
@@ -194,7 +194,7 @@ def test_staging_goes_on_from_pageable_memory_when_pinned_memory_runs_out(monkey
 def test_random_trees_round_trip_through_small_staging_chunks(tree: Any) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(_move._stream, "pinned", lambda numel, dtype, device: torch.empty(numel, dtype=dtype))
-        monkeypatch.setattr(_move, "STAGE_CHUNK_BYTES", 16)
+        monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 16)
         _, back = there_and_back(tree, coalesce_max_bytes=32)
     helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
 
