@@ -232,6 +232,25 @@ def test_prefetch_holds_at_most_depth_batches_beyond_the_one_in_use(
     assert len(counts) == 8 and max(counts) == depth + 1  # the one in use, and depth on their way
 
 
+def test_the_source_is_closed_even_when_abandoning_the_copies_fails() -> None:
+    closed: list[bool] = []
+
+    def source() -> Iterator[int]:
+        try:
+            yield from range(5)
+        finally:
+            closed.append(True)
+
+    def abandon() -> None:
+        raise RuntimeError("the device is gone")
+
+    window = _data._window(source(), 2, lambda b: b, lambda b: b, abandon)
+    assert next(window) == 0
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        window.close()
+    assert closed == [True]
+
+
 def test_a_break_leaves_no_copy_running(fake_streams: dict[str, Any]) -> None:
     loader = todevice.prefetch([{"i": i} for i in range(6)], "meta", depth=2)
     for batch in loader:

@@ -108,7 +108,9 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
     Args:
         iterable: A DataLoader, or any iterable of batches.
         device: Where the batches go.
-        depth: How many batches may be in flight ahead of the one in use (at least 1).
+        depth: How many batches may be alive beyond the one in use (at least 1). A batch is handed
+            over before the next is started, so while the loop body runs ``depth - 1`` batches are
+            on their way, and one more starts when the loop asks for the next batch.
         non_blocking: As in :func:`todevice.move`.
 
     .. versionadded:: 0.1.0
@@ -160,7 +162,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
             _stream.receive(copied, outputs, self.device)
             return out
 
-        return _window(iter(self.iterable), self.depth, start, finish, side.synchronize)
+        yield from _window(iter(self.iterable), self.depth, start, finish, side.synchronize)
 
 
 def _window(
@@ -198,9 +200,11 @@ def _window(
         if failed is not None and not isinstance(failed, StopIteration):
             raise failed
     finally:
-        if pending:
-            abandon()  # a break or an error: no copy is left running behind the loop
-        _close(source)
+        try:
+            if pending:
+                abandon()  # a break or an error: no copy is left running behind the loop
+        finally:
+            _close(source)
 
 
 def _close(source: Iterator[Any]) -> None:

@@ -15,6 +15,7 @@ their vectorised loads, and the buffer holds the data plus that padding and noth
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import operator
@@ -235,6 +236,11 @@ def read(
 # caching host allocator hands out again once their copy has finished, stay few and small.
 STAGE_CHUNK_BYTES = 4 * 1024 * 1024
 
+# At most this many staged bytes of one tensor are in flight. While the stream is busy no chunk's copy
+# finishes, so each chunk takes a new pinned block, and the allocator keeps every block it made: a
+# larger tensor waits for its oldest chunk's copy instead, so it never pins more than this.
+STAGE_MAX_IN_FLIGHT_BYTES = 256 * 1024 * 1024
+
 
 def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torch.Tensor | None:
     """``t.to(dev, cast, non_blocking=True)`` for a pageable host tensor: through pinned memory, in chunks.
@@ -269,6 +275,9 @@ def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torc
     flat_out = out.as_strided((n,), (1,), out.storage_offset())
     sent = final if final.itemsize < t.dtype.itemsize else t.dtype  # cast on the side with fewer bytes
     step = max(1, STAGE_CHUNK_BYTES // sent.itemsize)
+    capped = n * sent.itemsize > STAGE_MAX_IN_FLIGHT_BYTES
+    in_flight: collections.deque[tuple[torch.Event, int]] = collections.deque()
+    queued = 0
     for i in range(0, n, step):
         piece = flat_src[i : i + step]
         buffer = _stream.pinned(piece.numel(), sent, dev)
@@ -277,6 +286,15 @@ def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torc
             break
         buffer.copy_(piece)
         flat_out[i : i + step].copy_(buffer, non_blocking=True)  # records the block's use for its allocator
+        if capped:
+            copied = torch.Event(device=dev)
+            copied.record()
+            in_flight.append((copied, buffer.nbytes))
+            queued += buffer.nbytes
+            while queued > STAGE_MAX_IN_FLIGHT_BYTES:
+                oldest, nbytes = in_flight.popleft()
+                oldest.synchronize()
+                queued -= nbytes
     return out
 
 

@@ -108,7 +108,9 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
 
     host = dev.type in _stream.HOST_TYPES
     to_host = dev.type == "cpu" and non_blocking
-    stage = non_blocking and not host  # pageable sources cross through pinned memory
+    # Pageable sources cross through pinned memory; not to MPS, where memory is unified and a copy
+    # from pageable memory may not be asynchronous at all (pytorch#83015).
+    stage = non_blocking and not host and not mps
 
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
@@ -398,6 +400,7 @@ def _to_object(obj: Any, s: State) -> Any:
         raise  # deep nesting: the walk falls back to one with a stack
     except Exception:
         target = obj  # not copyable: its own .to() is all there is
+    held = _devices_held(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
     if streams is not None:
         _stream.set_stream(streams[0])
@@ -418,29 +421,34 @@ def _to_object(obj: Any, s: State) -> Any:
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])
-    if p.to_host:
-        s.waits.update(_devices_held(obj))
+    if held:
+        s.waits.update(held)
     s.memo[id(obj)] = (obj, out)
     return out
 
 
-def _devices_held(obj: Any) -> set[torch.device]:
-    """The accelerators whose memory an object with ``.to()`` visibly holds: its fields, items and attributes.
+def _devices_held(obj: Any, depth: int = 3) -> set[torch.device]:
+    """The accelerators whose memory an object with ``.to()`` holds, as far as its fields, items and
+    attributes show, a few levels deep.
 
-    Where none is seen, the current accelerator device: an object hiding its tensors most likely keeps
-    them there. Never every device: synchronizing one creates a CUDA context there (about 0.5 GiB).
+    Where none is seen, every device the process has a context on: never every device, since
+    synchronizing one creates a CUDA context there (about 0.5 GiB).
     """
     found: set[torch.device] = set()
-    try:
-        for _, node in _walk.paths([value for _, value in _walk.inside(obj)]):
-            if isinstance(node, torch.Tensor) and not (node.is_cpu or node.is_meta):
-                found.add(node.device)
-    except _walk.CycleError:
-        pass
-    acc = _stream.accelerator()
-    if not found and acc is not None:
-        found.add(torch.device(acc.type, _stream.current_index()))
-    return found
+
+    def look(x: Any, depth: int) -> None:
+        try:
+            for _, node in _walk.paths([value for _, value in _walk.inside(x)]):
+                if isinstance(node, torch.Tensor):
+                    if not (node.is_cpu or node.is_meta):
+                        found.add(node.device)
+                elif depth and _tree.kind_of(type(node)).code in (_tree.UNKNOWN, _tree.TO):
+                    look(node, depth - 1)
+        except _walk.CycleError:
+            pass
+
+    look(obj, depth)
+    return found or set(_stream.devices_in_use())
 
 
 def move(
@@ -564,7 +572,8 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
                 _order(buffer, s)
             if p.to_host:
                 s.waits.add(buffer.device)  # waited for before the move returns
-                nb = nb and buffer.nbytes <= PINNED_RESULT_MAX_BYTES
+                # A cast is made on the host as soon as the buffer is read: the copy must have landed.
+                nb = nb and p.dtype is None and buffer.nbytes <= PINNED_RESULT_MAX_BYTES
         try:
             staged = _layout.staged(buffer, p.dev, None) if buffer.is_cpu and p.non_blocking and p.coalesce else None
             buffer = staged if staged is not None else buffer.to(p.dev, non_blocking=nb)

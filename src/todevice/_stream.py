@@ -126,6 +126,17 @@ def synchronize(device: torch.device) -> None:
         sync()
 
 
+def devices_in_use() -> list[torch.device]:
+    """The accelerator's devices this process has a context on (CUDA), or its current device (others)."""
+    acc = accelerator()
+    if acc is None:
+        return []
+    has_context = getattr(torch._C, f"_{acc.type}_hasPrimaryContext", None)
+    if callable(has_context):
+        return [torch.device(acc.type, i) for i in range(torch.accelerator.device_count()) if has_context(i)]
+    return [torch.device(acc.type, current_index())]
+
+
 def on_device(device: torch.device) -> Any:
     """A context in which ``device`` is the current accelerator device (nothing to do for the host).
 

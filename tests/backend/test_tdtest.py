@@ -249,3 +249,71 @@ def test_a_packed_batch_on_the_device_is_waited_for_before_unpacking_to_the_host
         back = on_device.unpack()
     assert synced == [DEV]
     helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_a_tensor_larger_than_the_in_flight_cap_waits_for_its_oldest_chunks(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the stream is busy every chunk takes a new pinned block: past the cap, the oldest is waited for."""
+    waited: list[int] = []
+
+    class Event:
+        def __init__(self, device: Any) -> None:
+            self.recorded = False
+
+        def record(self) -> None:
+            self.recorded = True
+
+        def synchronize(self) -> None:
+            assert self.recorded
+            waited.append(1)
+
+    monkeypatch.setattr(_layout.torch, "Event", Event)
+    monkeypatch.setattr(_layout, "STAGE_MAX_IN_FLIGHT_BYTES", 3 * 1024)
+    src = torch.randn(2560)  # ten chunks of 1 KiB
+    with torch.inference_mode():
+        back = todevice.move(todevice.move(src, "tdtest", coalesce=False), "cpu", non_blocking=False)
+    assert len(waited) == 7  # at most three chunks in flight
+    assert torch.equal(back, src)
+    waited.clear()
+    with torch.inference_mode():
+        todevice.move(torch.randn(512), "tdtest", coalesce=False)  # under the cap: no event at all
+    assert waited == []
+
+
+def test_a_packed_batch_on_the_device_cast_on_the_host_is_copied_back_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cast reads the buffer on the host at once: the copy must have landed by then."""
+    tree = {"x": [torch.randn(3) for _ in range(4)]}
+    packed = todevice.pack(tree)
+    with torch.inference_mode():
+        on_device = todevice.PackedBatch(
+            packed.buffer.to("tdtest"), packed.layout, packed.skeleton, packed.requires_grad, packed.loose
+        )
+        del tdtest.NON_BLOCKING[:]
+        back = todevice.move(on_device, "cpu", dtype=torch.float64)
+    assert tdtest.NON_BLOCKING == [("d2h", False)]
+    helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu", torch.float64), values=True)
+
+
+class Storage(dict):  # type: ignore[type-arg]
+    """Where a graph library keeps its tensors: a mapping inside an attribute."""
+
+
+class Graph:
+    def __init__(self, x: torch.Tensor) -> None:
+        self._store = Storage(x=x)
+
+    def to(self, device: Any, non_blocking: bool = False) -> Graph:
+        for k, v in self._store.items():
+            self._store[k] = v.to(device)  # in place, through the mapping copy.copy shares
+        return self
+
+
+def test_the_devices_of_a_to_object_are_read_before_its_to_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    monkeypatch.setattr(_move._stream, "devices_in_use", lambda: ["no tensors were found"])
+    with torch.inference_mode():
+        graph = Graph(torch.ones(3).to("tdtest"))
+        todevice.move({"g": graph}, "cpu")
+    assert synced == [DEV]
