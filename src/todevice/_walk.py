@@ -304,7 +304,7 @@ def explain(
 
 
 def inside(obj: Any) -> Iterator[tuple[str, Any]]:
-    """What an object with its own ``.to()`` holds, for diagnostics: a guess: never used to move it."""
+    """What an object with its own ``.to()`` holds: a guess, to find its tensors, never to move them."""
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         yield from ((f".{name}", value) for name, value in zip(obj._fields, obj))
     elif isinstance(obj, collections.abc.Mapping):
