@@ -44,7 +44,7 @@ def accelerator_bench(device: str, rounds: int, json_path: str | None) -> int:
     if not _stream.is_accelerator(dev):
         print(f"python -m todevice bench: --device must name an accelerator; {dev} is not one.", file=sys.stderr)
         return 2
-    with torch.accelerator.device_index(dev.index):
+    with _stream.on_device(dev):
         tables = _bench.gpu_main(rounds=min(rounds, 10))
     tests: dict[str, object] = {"skipped": "tests/test_accelerator.py is not here: run from a checkout"}
     if os.path.exists(os.path.join("tests", "test_accelerator.py")):

@@ -429,18 +429,22 @@ def _device_contenders(leaves: list[torch.Tensor], dev: torch.device) -> dict[st
     }
 
 
-def _timed(funcs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median seconds of each ``fn()`` with the device work it queued: interleaved rounds, after a warm-up."""
-    samples: dict[str, list[float]] = {name: [] for name in funcs}
-    for fn in funcs.values():
+def _synced(fn: Callable[[], Any]) -> None:
+    fn()
+    torch.accelerator.synchronize()
+
+
+def _timed(
+    funcs: dict[str, Callable[[], Any]], rounds: int, setup: Callable[[], Any] | None = None, end_to_end: bool = True
+) -> dict[str, float]:
+    """Median seconds of each ``fn()``, with the device work it queued when ``end_to_end``: interleaved
+    rounds after a warm-up, ``setup`` run untimed before each call."""
+    timed = {name: functools.partial(_synced, fn) for name, fn in funcs.items()} if end_to_end else funcs
+    for fn in timed.values():
         fn()  # warm-up: allocator, pinned staging, plan
     torch.accelerator.synchronize()
-    for _ in range(rounds):
-        for name, fn in funcs.items():
-            start = time.perf_counter()
-            fn()
-            torch.accelerator.synchronize()
-            samples[name].append(time.perf_counter() - start)
+    samples = interleaved(timed, rounds, random.Random(0), setup)
+    torch.accelerator.synchronize()
     return {name: statistics.median(t) for name, t in samples.items()}
 
 
@@ -504,21 +508,15 @@ def blocked_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
         leaves = [torch.randn(4 << 20) for _ in range(8)]
         if pinned:
             leaves = [t.pin_memory() for t in leaves]
-        funcs = _device_contenders(leaves, dev)
-        samples: dict[str, list[float]] = {name: [] for name in funcs}
-        for fn in funcs.values():
-            fn()  # warm-up
-        torch.cuda.synchronize()
-        for _ in range(rounds):
-            for name, fn in funcs.items():
-                sleep(cycles_50ms)
-                begin = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - begin)
-                torch.cuda.synchronize()
-        for name, t in samples.items():
+
+        def queue_work() -> None:
+            torch.cuda.synchronize()  # the previous call's copies, then 50 ms of work ahead of the next
+            sleep(cycles_50ms)
+
+        times = _timed(_device_contenders(leaves, dev), rounds, setup=queue_work, end_to_end=False)
+        for name, seconds in times.items():
             workload = f"8 x 16 MiB {'pinned' if pinned else 'pageable'}, 50 ms of work queued"
-            rows.append({"workload": workload, "contender": name, "host_ms": statistics.median(t) * 1e3})
+            rows.append({"workload": workload, "contender": name, "host_ms": seconds * 1e3})
     return rows
 
 

@@ -566,17 +566,17 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
     """Copy a host buffer to the target once, and cut the copy into views (cast where the layout says)."""
     p = s.plan
     if buffer.device != p.dev:
-        nb = p.non_blocking and (buffer.is_pinned() if p.dev.type == "mps" else True)
+        cast_on_host = False
         if not buffer.is_cpu:  # a packed batch loaded onto a device
             if s.streams is not None:
                 _order(buffer, s)
             if p.to_host:
                 s.waits.add(buffer.device)  # waited for before the move returns
                 # A cast is made on the host as soon as the buffer is read: the copy must have landed.
-                nb = nb and p.dtype is None and buffer.nbytes <= PINNED_RESULT_MAX_BYTES
+                cast_on_host = p.dtype is not None
         try:
-            staged = _layout.staged(buffer, p.dev, None) if buffer.is_cpu and p.non_blocking and p.coalesce else None
-            buffer = staged if staged is not None else buffer.to(p.dev, non_blocking=nb)
+            # The plan's copy of a uint8 tensor: staged, pinned or pageable by the same rules as any other.
+            buffer = buffer.to(p.dev) if cast_on_host else p.to(buffer)
         except Exception as err:
             msg = f"Cannot move {len(lay.order)} packed tensors ({lay.nbytes} bytes) to {p.dev}: {err}"
             _walk.raise_with_message(err, msg)
