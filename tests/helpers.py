@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import enum
 from typing import Any, NamedTuple
@@ -150,6 +151,8 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> A
             return TaggedDict(x.tag, {k: go(v) for k, v in x.items()})
         if tp is TaggedList:
             return TaggedList(x.tag, [go(v) for v in x])
+        if isinstance(x, collections.abc.Mapping):  # UserDict and any other mapping: rebuilt from a dict
+            return tp({k: go(v) for k, v in x.items()})
         return x
 
     return go(obj)

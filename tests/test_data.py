@@ -187,9 +187,11 @@ def fake_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         log["streams"].append(FakeStream())
         return log["streams"][-1]
 
-    def issue(batch: Any, dev: torch.device, non_blocking: bool, side: Any) -> tuple[Any, list[Any], Any]:
+    def issue(
+        batch: Any, dev: torch.device, non_blocking: bool, side: Any, skip: frozenset[str]
+    ) -> tuple[Any, list[Any], Any]:
         log["issued"].append(batch["i"])
-        return todevice.move(batch, dev), [], ("event", batch["i"])
+        return todevice.move(batch, dev, skip_keys=skip), [], ("event", batch["i"])
 
     monkeypatch.setattr(_data._stream, "is_accelerator", lambda device: True)
     monkeypatch.setattr(_data.torch, "Stream", make_stream)

@@ -164,5 +164,6 @@ def test_paths_lists_every_path() -> None:
         "['x'][1].b",
         "['x'][1].b[0]",
         "['d']",
+        "['d'].tag",  # an instance attribute is a child like the items
         "['d']['k']",
     ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -112,11 +112,20 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
             over before the next is started, so while the loop body runs ``depth - 1`` batches are
             on their way, and one more starts when the loop asks for the next batch.
         non_blocking: As in :func:`todevice.move`.
+        skip_keys: As in :func:`todevice.move`: the items under these dict keys stay where they are.
 
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, iterable: Iterable[B], device: DeviceLike, *, depth: int = 2, non_blocking: bool = True):
+    def __init__(
+        self,
+        iterable: Iterable[B],
+        device: DeviceLike,
+        *,
+        depth: int = 2,
+        non_blocking: bool = True,
+        skip_keys: str | Collection[str] | None = None,
+    ):
         if depth < 1:
             msg = f"Cannot prefetch with depth={depth}: depth counts the batches in flight and must be 1 or more."
             raise ValueError(msg)
@@ -124,6 +133,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         self.device = _stream.resolve_device(device)
         self.depth = depth
         self.non_blocking = non_blocking
+        self.skip_keys = _move._skip_set(skip_keys) if skip_keys is not None else None
         self._side: torch.Stream | None = None
 
     def __len__(self) -> int:
@@ -149,13 +159,13 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         source = iter(self.iterable)
         try:
             for batch in source:
-                yield _move.move(batch, self.device, non_blocking=self.non_blocking)
+                yield _move.move(batch, self.device, non_blocking=self.non_blocking, skip_keys=self.skip_keys)
         finally:
             _close(source)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
         def start(batch: Any) -> tuple[Any, list[torch.Tensor], torch.Event]:
-            return _move.move_on_stream(batch, self.device, self.non_blocking, side)
+            return _move.move_on_stream(batch, self.device, self.non_blocking, side, self.skip_keys or frozenset())
 
         def finish(moved: tuple[Any, list[torch.Tensor], torch.Event]) -> Any:
             out, outputs, copied = moved

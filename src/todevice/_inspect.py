@@ -18,13 +18,17 @@ SHOWN = 8  # paths listed per device in a message; the rest are counted
 _Tensor = torch.Tensor
 
 
-def _tensors(obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(
+    obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every tensor in ``obj``, at every place it is reached.
 
     A module's tensors go by qualified name, wherever the module sits. An object that moves itself
     through ``.to()`` (PackedSequence, a tokenizer's BatchEncoding) is looked into as well: its
     fields, items or attributes. So is a PackedBatch: its packed tensors are where its buffer is,
-    each at its place in the structure (``views`` fill its skeleton's slots).
+    each at its place in the structure (``views`` fill its skeleton's slots). ``within`` holds the
+    ``.to()`` objects being looked into, by id, with their paths: one that holds itself, or its
+    parent, is a cycle.
     """
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
@@ -45,8 +49,14 @@ def _tensors(obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None
             elif isinstance(node, nn.Module):
                 yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:
+                within = {} if within is None else within
+                first = within.get(id(node))
+                if first is not None:
+                    raise _walk.CycleError(first, prefix + path, node)
+                within[id(node)] = prefix + path
                 for part, inner in _walk.inside(node):
-                    yield from _tensors(inner, prefix + path + part)
+                    yield from _tensors(inner, prefix + path + part, within=within)
+                del within[id(node)]
     except _walk.CycleError as cycle:
         raise ValueError(_walk.cycle_message(cycle, "inspect")) from None
 
@@ -284,7 +294,8 @@ class guard:  # named like a function: it is called, and used as a context manag
 
     def __init__(self, module: nn.Module, /, *, ignore: Iterable[str] = ()) -> None:
         self.module = module
-        self.ignore = frozenset(ignore) | frozenset(f"kwargs[{name!r}]" for name in ignore)
+        names = (ignore,) if isinstance(ignore, str) else tuple(ignore)  # read once: it may be a generator
+        self.ignore = frozenset(names) | frozenset(f"kwargs[{name!r}]" for name in names)
         self._handles: list[Any] = []
         for name, sub in module.named_modules():
             if next(_own_tensors(sub), None) is None:

@@ -428,8 +428,13 @@ def _as_it_is(x: Any, code: int, s: _Taking) -> Any:
     return x
 
 
-_TAKE = _walk.make(NEVER, _take, _as_it_is, _tree.kind_for_packing)
-_TAKE_CAREFULLY = _walk.make(NEVER, _take_carefully, _as_it_is, _tree.kind_for_packing)
+@functools.lru_cache(maxsize=16)
+def _takes(skip: frozenset[Any]) -> tuple[_walk.Walk, _walk.Walk]:
+    """The optimistic and the careful take, leaving the items under the keys in ``skip`` as they are."""
+    return (
+        _walk.make(NEVER, _take, _as_it_is, _tree.kind_for_packing, skip=skip),
+        _walk.make(NEVER, _take_carefully, _as_it_is, _tree.kind_for_packing, skip=skip),
+    )
 
 
 class Taken(NamedTuple):
@@ -441,14 +446,19 @@ class Taken(NamedTuple):
     loose: int  # tensors and objects with .to() left in the skeleton
 
 
-def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False) -> Taken:
+def take(
+    obj: Any, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False, skip: frozenset[Any] = frozenset()
+) -> Taken:
     """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``).
+
+    The items of mappings under the keys in ``skip`` stay in the skeleton as they are.
 
     Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
     a registered flatten.
     """
+    optimistic, careful = _takes(skip)
     taking = _Taking(max_bytes, grad)
-    skeleton = _TAKE.walk(obj, taking)
+    skeleton = optimistic.walk(obj, taking)
     tensors = taking.tensors
     try:
         # A repeated address means a tensor met twice or memory shared, which the careful walk
@@ -460,7 +470,7 @@ def take(obj: Any, max_bytes: int | None, cast: torch.dtype | None, grad: bool =
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad)
-    skeleton = _TAKE_CAREFULLY.walk(obj, taking)
+    skeleton = careful.walk(obj, taking)
     tensors = taking.tensors
     lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
     return Taken(skeleton, tensors, lay, len(taking.loose))

@@ -6,7 +6,7 @@ import copy
 import functools
 import inspect
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -75,6 +75,7 @@ class Plan(NamedTuple):
     careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
     coalesce: bool  # coalesce by default: from the host to an accelerator
     to_host: bool  # asynchronous copies land in host memory: wait for them before returning
+    skip: frozenset[Any]  # the keys whose items stay as they are
 
 
 class _Careful(Exception):
@@ -90,7 +91,7 @@ def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Plan:
+def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any] = frozenset()) -> Plan:
     """The plan for moves to ``dev`` with these options."""
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     if dtype is None and dev.type == "cpu":
@@ -177,9 +178,9 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None) -> Pl
     # repeated tensor, in host memory for the length of the call. On an accelerator that copy would
     # hold device memory, and a copy launch costs far more than the memo: there the careful walk is
     # the only one.
-    careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot)
-    walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of) if host else None
-    return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host, to_host)
+    careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip)
+    walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
+    return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host, to_host, skip)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -204,6 +205,36 @@ def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
             _plans.clear()
         _plans[type(device), device, non_blocking, dtype] = p
     return p
+
+
+def _with_options(p: Plan, skip_keys: Any, max_bytes: Any) -> Plan:
+    """The plan for move()'s rarer options, checked: the keys to skip, and the coalescing limit."""
+    if type(max_bytes) is not int or max_bytes < 0:  # not bool: True is an int
+        msg = (
+            f"Cannot coalesce with coalesce_max_bytes={max_bytes!r}: expected a number of bytes, an int >= 0 "
+            f"(todevice.COALESCE_MAX_BYTES, {COALESCE_MAX_BYTES}, by default). Pass coalesce=False to coalesce nothing."
+        )
+        raise (TypeError if type(max_bytes) is not int else ValueError)(msg)
+    if skip_keys is None:
+        return p
+    skip = _skip_set(skip_keys)
+    return plan(p.dev, p.non_blocking, p.dtype, skip) if skip else p
+
+
+def _skip_set(skip_keys: Any) -> frozenset[str]:
+    if isinstance(skip_keys, str):
+        return frozenset((skip_keys,))
+    try:
+        keys = frozenset(skip_keys)
+    except TypeError:
+        keys = None
+    if keys is None or not all(isinstance(k, str) for k in keys):
+        msg = (
+            f"Cannot skip keys {skip_keys!r}: skip_keys takes a str or a collection of str, the dict keys "
+            f"whose entries stay where they are, such as skip_keys=['lengths']."
+        )
+        raise TypeError(msg)
+    return keys
 
 
 def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
@@ -400,7 +431,7 @@ def _to_object(obj: Any, s: State) -> Any:
         raise  # deep nesting: the walk falls back to one with a stack
     except Exception:
         target = obj  # not copyable: its own .to() is all there is
-    held = _devices_held(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
+    held = _walk.devices_held(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
     if streams is not None:
         _stream.set_stream(streams[0])
@@ -414,6 +445,8 @@ def _to_object(obj: Any, s: State) -> Any:
                 out = target.to(p.dev)
         else:
             out = target.to(p.dev)
+        if out is None:  # a .to() that moves the object in place and returns nothing: the copy it moved
+            out = target
     except RecursionError:
         raise
     except Exception as err:
@@ -427,30 +460,6 @@ def _to_object(obj: Any, s: State) -> Any:
     return out
 
 
-def _devices_held(obj: Any, depth: int = 3) -> set[torch.device]:
-    """The accelerators whose memory an object with ``.to()`` holds, as far as its fields, items and
-    attributes show, a few levels deep.
-
-    Where none is seen, every device the process has a context on: never every device, since
-    synchronizing one creates a CUDA context there (about 0.5 GiB).
-    """
-    found: set[torch.device] = set()
-
-    def look(x: Any, depth: int) -> None:
-        try:
-            for _, node in _walk.paths([value for _, value in _walk.inside(x)]):
-                if isinstance(node, torch.Tensor):
-                    if not (node.is_cpu or node.is_meta):
-                        found.add(node.device)
-                elif depth and _tree.kind_of(type(node)).code in (_tree.UNKNOWN, _tree.TO):
-                    look(node, depth - 1)
-        except _walk.CycleError:
-            pass
-
-    look(obj, depth)
-    return found or set(_stream.devices_in_use())
-
-
 def move(
     obj: T,
     device: DeviceLike,
@@ -462,6 +471,7 @@ def move(
     coalesce_max_bytes: int = COALESCE_MAX_BYTES,
     stream: torch.Stream | None = None,
     strict: bool = False,
+    skip_keys: str | Collection[str] | None = None,
 ) -> T:
     """Move every tensor in a nested structure to ``device``; containers and other values are kept.
 
@@ -505,15 +515,20 @@ def move(
             the current stream: it waits for the copies, and they are recorded on it. The current
             device and stream are restored.
         strict: Raise instead of passing through objects todevice does not understand.
+        skip_keys: A dict key, or a collection of them: the items under these keys, in any mapping
+            at any depth, come back exactly as they are (the CPU ``lengths`` that
+            ``pack_padded_sequence`` wants, for instance).
 
     Returns:
         A structure of the same shape and container types as ``obj``, its tensors on ``device``.
 
     Raises:
         ValueError: ``device`` is not a valid or available device (before anything is copied),
-            ``obj`` contains itself, or ``stream`` is on another device than the target.
-        TypeError: ``device`` or ``dtype`` has the wrong type, or ``strict=True`` and ``obj`` holds
-            objects that are not tensors, containers, ``.to()`` objects or atomic values.
+            ``obj`` contains itself, ``stream`` is on another device than the target, or
+            ``coalesce_max_bytes`` is negative.
+        TypeError: ``device``, ``dtype``, ``coalesce_max_bytes`` or ``skip_keys`` has the wrong type,
+            or ``strict=True`` and ``obj`` holds objects that are not tensors, containers, ``.to()``
+            objects or atomic values.
 
     .. versionadded:: 0.1.0
     """
@@ -521,6 +536,8 @@ def move(
         p = _plans[type(device), device, non_blocking, dtype]
     except (KeyError, TypeError):  # not seen yet, or unhashable: _plan_for says what is wrong
         p = _plan_for(device, non_blocking, dtype)
+    if skip_keys is not None or coalesce_max_bytes is not COALESCE_MAX_BYTES:
+        p = _with_options(p, skip_keys, coalesce_max_bytes)
     if coalesce is None:
         coalesce = p.coalesce
     elif coalesce:
@@ -531,7 +548,7 @@ def move(
         if p.walk is not None:
             return _host(obj, p, p.walk)  # type: ignore[no-any-return]
     if strict:
-        _check_strict(obj)
+        _walk.refuse_unknown(obj, p.skip)
     s = State(p)
     if stream is None:
         out = _coalesced(obj, s, coalesce_max_bytes) if coalesce else _run(obj, s, obj)
@@ -546,20 +563,25 @@ def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
     """Pack the small host tensors, send them in one copy, then move the rest around their views."""
     p = s.plan
     try:
-        taken = _layout.take(obj, max_bytes, p.dtype)
+        taken = _layout.take(obj, max_bytes, p.dtype, skip=p.skip)
     except RecursionError:
         return _run(obj, s, obj)  # deep or cyclic: the walk handles or reports it
     except LeafError as failure:
         _walk.explain(failure, obj, p.dev)
     if not taken.tensors:
         return _run(obj, s, obj)
+    s.views, s.aliases = _send(s, _staged(taken, p), taken.layout), {}
+    return _run(taken.skeleton, s, obj)
+
+
+def _staged(taken: _layout.Taken, p: Plan) -> torch.Tensor:
+    """The taken tensors written into one host buffer: page-locked where the target is an accelerator."""
     nbytes = taken.layout.nbytes
     staging = _stream.pinned(nbytes, torch.uint8, p.dev) if _stream.is_accelerator(p.dev) else None
     if staging is None:  # the host, meta, or no pinned memory
         staging = torch.empty(nbytes, dtype=torch.uint8)
     _layout.write(staging, taken.layout, taken.tensors)
-    s.views, s.aliases = _send(s, staging, taken.layout), {}
-    return _run(taken.skeleton, s, obj)
+    return staging
 
 
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
@@ -589,6 +611,8 @@ def unpack(s: State, batch: Any) -> Any:
     hit = s.memo.get(id(batch))
     if hit is not None:
         return hit[1]
+    if s.plan.skip:
+        return _unpack_skipping(s, batch)
     views = _send(s, batch.buffer, batch.layout)
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
@@ -605,6 +629,29 @@ def unpack(s: State, batch: Any) -> Any:
     return out
 
 
+def _unpack_skipping(s: State, batch: Any) -> Any:
+    """A packed batch moved with keys to skip: its tensors under those keys stay on the host.
+
+    The batch is unpacked on the host first (views of its buffer, no copy), then moved as any
+    structure is: the small tensors it should move packed again and sent in one copy.
+    """
+    host = unpack_to(batch, "cpu", non_blocking=False)
+    p = s.plan
+    outer = s.views, s.aliases
+    try:
+        taken = _layout.take(host, COALESCE_MAX_BYTES, p.dtype, skip=p.skip) if p.coalesce else None
+        if taken is not None and taken.tensors:
+            s.views, s.aliases = _send(s, _staged(taken, p), taken.layout), {}
+            host = taken.skeleton
+        out = _careful(host, s)
+    except LeafError as failure:
+        raise failure.within(batch, host) from None
+    finally:
+        s.views, s.aliases = outer
+    s.memo[id(batch)] = (batch, out)
+    return out
+
+
 def unpack_to(batch: Any, device: DeviceLike, non_blocking: bool) -> Any:
     """``PackedBatch.unpack(device)``: ``move(batch, device, coalesce=False)`` without walking to the batch."""
     s = State(_plan_for(device, non_blocking, None))
@@ -614,14 +661,14 @@ def unpack_to(batch: Any, device: DeviceLike, non_blocking: bool) -> Any:
 
 
 def move_on_stream(
-    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream
+    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any] = frozenset()
 ) -> tuple[Any, list[torch.Tensor], torch.Event]:
     """For prefetch(): move ``batch`` with copies on ``side``; the outputs and an event after them.
 
     Nothing is handed over yet: the consumer's stream waits for the event only when the batch is
     used, so the copies of later batches overlap the work on earlier ones.
     """
-    s = State(plan(dev, non_blocking, None))
+    s = State(plan(dev, non_blocking, None, skip))
     out, _ = _on_stream(batch, s, side, s.plan.coalesce, COALESCE_MAX_BYTES)
     copied = _stream.record_event(side, dev)
     s.finish()
@@ -636,28 +683,3 @@ def _on_stream(obj: Any, s: State, stream: torch.Stream, coalesce: bool, max_byt
         return (_coalesced(obj, s, max_bytes) if coalesce else _run(obj, s, obj)), entered.user
     finally:
         _stream.leave_stream(entered)
-
-
-def _check_strict(obj: Any) -> None:
-    """strict=True: raise, before anything is copied, listing every object move() does not understand."""
-    found: list[str] = []
-    try:
-        for path, node in _walk.paths(obj):
-            code = _tree.kind_of(type(node)).code
-            if code == _tree.UNKNOWN or code == _tree.MODULE:
-                hint = " (an nn.Module: move it with module.to(device))" if code == _tree.MODULE else ""
-                found.append(f"  {_walk.format_path(path)}: {type(node).__qualname__}{hint}")
-    except _walk.CycleError as cycle:
-        raise ValueError(_walk.cycle_message(cycle)) from None
-    if not found:
-        return
-    shown = found[:20]
-    if len(found) > len(shown):
-        shown.append(f"  ... and {len(found) - len(shown)} more")
-    listing = "\n".join(shown)
-    msg = (
-        f"Cannot move {len(found)} object(s) with strict=True: they are not tensors, containers, objects "
-        f"with .to() or atomic values:\n{listing}\n"
-        f"Register their types with todevice.register(), or pass strict=False to leave them as they are."
-    )
-    raise TypeError(msg)

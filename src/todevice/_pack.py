@@ -44,10 +44,15 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _move.COA
         The :class:`todevice.PackedBatch`.
 
     Raises:
-        ValueError: ``obj`` contains itself, or is nested deeper than Python's recursion limit.
+        ValueError: ``obj`` contains itself, or is nested deeper than Python's recursion limit, or
+            ``max_bytes`` is negative.
+        TypeError: ``max_bytes`` is neither an int nor None.
 
     .. versionadded:: 0.1.0
     """
+    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):  # not bool: True is an int
+        msg = f"Cannot pack with max_bytes={max_bytes!r}: expected an int >= 0, or None to pack every tensor."
+        raise (TypeError if type(max_bytes) is not int else ValueError)(msg)
     try:
         taken = _layout.take(obj, max_bytes, None, grad=True)
     except _walk.LeafError as failure:

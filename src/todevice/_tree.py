@@ -10,6 +10,7 @@ uses these functions for moving, packing, paths and diagnostics alike, so every 
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import enum
 import functools
@@ -17,7 +18,7 @@ import operator
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -46,6 +47,10 @@ class Kind(NamedTuple):
     flatten: Flatten | None = None
     unflatten: Unflatten | None = None
     entry: Callable[[Any, int], str] | None = None
+    keys: Callable[[Any], Sequence[Any]] | None = None  # a mapping's key of each child (``_NO_KEY`` for none)
+
+
+_NO_KEY: Any = object()  # the key of a child that is not a mapping's item (a dataclass field, say)
 
 
 # Atomic types besides the subclasses of _ATOMIC_BASES.
@@ -101,13 +106,15 @@ class Deferred:
 
     While packing, its children are slots, which a user's unflatten may not expect (it may read a
     child's shape); so the packing walk keeps the pieces, and unpacking calls unflatten with tensors.
-    To the walk it is a container whose unflatten is the registered one, looked up when it runs.
+    To the walk it is a container whose unflatten is the one registered when it was packed, so a
+    move sees one registration even if another thread unregisters the type meanwhile. Pickled (to
+    another process), it keeps only the class, and unpacking there uses that process's registration.
     """
 
-    __slots__ = ("aux", "children", "cls")
+    __slots__ = ("aux", "children", "cls", "unflatten")
 
-    def __init__(self, cls: type, aux: Any, children: list[Any]) -> None:
-        self.cls, self.aux, self.children = cls, aux, children
+    def __init__(self, cls: type, aux: Any, children: list[Any], unflatten: Unflatten | None = None) -> None:
+        self.cls, self.aux, self.children, self.unflatten = cls, aux, children, unflatten
 
     def __reduce__(self) -> tuple[type, tuple[type, Any, list[Any]]]:
         return (type(self), (self.cls, self.aux, self.children))
@@ -161,10 +168,14 @@ def _set_entry(aux: Any, i: int) -> str:
     return f"{{{i}}}"
 
 
+def _keys(aux: Any) -> Any:
+    return aux[-1]
+
+
 _BUILTIN: dict[type, Kind] = {
-    dict: Kind(NODE, _dict_flatten, _dict_unflatten, _key_entry),
-    collections.OrderedDict: Kind(NODE, _dict_flatten, _ordereddict_unflatten, _key_entry),
-    collections.defaultdict: Kind(NODE, _defaultdict_flatten, _defaultdict_unflatten, _key_entry),
+    dict: Kind(NODE, _dict_flatten, _dict_unflatten, _key_entry, _keys),
+    collections.OrderedDict: Kind(NODE, _dict_flatten, _ordereddict_unflatten, _key_entry, _keys),
+    collections.defaultdict: Kind(NODE, _defaultdict_flatten, _defaultdict_unflatten, _key_entry, _keys),
     list: Kind(NODE, _seq_flatten, lambda aux, ch: ch, _index_entry),
     tuple: Kind(NODE, _seq_flatten, lambda aux, ch: tuple(ch), _index_entry),
     collections.deque: Kind(NODE, _deque_flatten, _deque_unflatten, _index_entry),
@@ -187,78 +198,122 @@ def _field_entry(aux: Any, i: int) -> str:
     return f".{aux._fields[i]}"
 
 
-def _structseq_unflatten(tp: type, children: list[Any]) -> Any:
-    return tp(children)
+def _structseq_flatten(t: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
+    # Every field, the ones beyond the tuple part too (struct_time.tm_zone, stat_result's float times).
+    reduced: Any = t.__reduce__()
+    seq, extra = reduced[1]
+    children = [*seq, *extra.values()]
+    return children, (t, len(seq), tuple(extra), children.copy())
 
 
-# ---------------------------------------------------------------- dataclasses, dict and list subclasses
+def _structseq_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
+    src, n, names, before = aux
+    if all(map(operator.is_, children, before)):
+        return src  # nothing inside moved: the very same object, as for any other value kept
+    return type(src)(children[:n], dict(zip(names, children[n:])))
 
-_UNSET: Any = object()
-_is_unset = functools.partial(operator.is_, _UNSET)
+
+def _structseq_entry(aux: tuple[Any, ...], i: int) -> str:
+    _, n, names, _ = aux
+    return f"[{i}]" if i < n else f".{names[i - n]}"
+
+
+# ---------------------------------------------------------------- dataclasses, dict and list subclasses, mappings
+
+
+def _bare_new(tp: type) -> Callable[[], Any]:
+    """An empty instance of ``tp``, made without running any ``__new__`` or ``__init__`` written in Python.
+
+    The first built-in base's ``__new__`` (``dict.__new__``, ``object.__new__``): a subclass's own
+    ``__new__`` may want arguments that only its author knows.
+    """
+    for klass in tp.__mro__:
+        if not klass.__flags__ & _HEAPTYPE:
+            return functools.partial(klass.__new__, tp)
+    return functools.partial(object.__new__, tp)  # pragma: no cover (object is never a heap type)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not by C
 
 
 def _object_kind(tp: type) -> Kind:
-    """The rule of a dataclass or a dict or list subclass: worked out once per type.
+    """The rule of a dataclass, a dict or list subclass, or a UserDict or UserList: worked out once per type.
 
-    The copy is never passed through ``__init__`` or ``__setitem__``: the constructor of a subclass
-    may want other arguments, and frozen dataclasses refuse setattr. It gets the original's instance
-    attributes, then the moved fields and items. Its aux data is (source, fields present, dict keys).
+    Every instance attribute is a child, moved like the fields: dataclass fields, other attributes
+    (set in ``__post_init__``, a ``functools.cached_property`` value) and slots, then the items. So no
+    tensor reachable from the result is left behind. The copy is never passed through ``__init__``,
+    ``__new__`` or ``__setitem__`` written in Python: the constructor of a subclass may want other
+    arguments, and frozen dataclasses refuse setattr. Its aux data is (source, attributes set
+    directly, attributes in ``__dict__``, dict keys).
     """
     fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
     base = _container_base(tp)
-    mapping = base is not None and issubclass(base, dict)
+    user = base is collections.UserDict or base is collections.UserList  # items in .data
+    mapping = base is not None and issubclass(base, (dict, collections.UserDict))
     slots = tuple(
         name for klass in tp.__mro__ for name in _slot_names(klass) if name not in ("__dict__", "__weakref__")
     )
     # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
-    # them) are written into it in one call.
+    # them) are read and written with it, in one call each.
     in_dict = not slots and not any(hasattr(type(getattr(tp, name, None)), "__set__") for name in fields)
+    direct = (() if in_dict else fields) + tuple(name for name in slots if name not in fields)
+    hidden = frozenset(direct) | ({"data"} if user else set())  # not read again from __dict__
     ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
     keys_of = collections.OrderedDict.keys if ordered else dict.keys
     setitem = collections.OrderedDict.__setitem__ if ordered else dict.__setitem__
-    new: Any = tp.__new__
+    new = _bare_new(tp)
 
-    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[Any] | None]]:
-        children = [getattr(obj, name, _UNSET) for name in fields]
-        present = fields
-        if any(map(_is_unset, children)):  # an init=False field never set stays unset
-            present = tuple(name for name, c in zip(fields, children) if c is not _UNSET)
-            children = [c for c in children if c is not _UNSET]
+    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[str], list[Any] | None]]:
+        names: list[str] = []
+        children: list[Any] = []
+        for name in direct:
+            try:
+                value = getattr(obj, name)
+            except AttributeError:  # an init=False field or a slot never set stays unset
+                continue
+            names.append(name)
+            children.append(value)
+        state = getattr(obj, "__dict__", None)
+        in_state: list[str] = []
+        if state:
+            in_state = [k for k in state if k not in hidden]
+            children.extend(map(state.__getitem__, in_state))
         keys: list[Any] | None = None
-        if mapping:
+        if user:
+            data = obj.data
+            if mapping:
+                keys = list(data)
+                children.extend(data.values())
+            else:
+                children.extend(data)
+        elif mapping:
             keys = list(keys_of(obj))
             children.extend(dict.__getitem__(obj, k) for k in keys)
         elif base is list:
             children.extend(list.__iter__(obj))
-        return children, (obj, present, keys)
+        return children, (obj, tuple(names), in_state, keys)
 
-    def unflatten(aux: tuple[Any, tuple[str, ...], list[Any] | None], children: list[Any]) -> Any:
-        src, present, keys = aux
-        out = new(tp)
-        state = getattr(src, "__dict__", None)
-        if state:
-            out.__dict__.update(state)
-        for name in slots:
-            try:
-                object.__setattr__(out, name, object.__getattribute__(src, name))
-            except AttributeError:  # a slot never set
-                continue
-        n = len(present)
-        if in_dict:
-            out.__dict__.update(zip(present, children))
-        else:
-            for name, value in zip(present, children):
-                object.__setattr__(out, name, value)
+    def unflatten(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None], children: list[Any]) -> Any:
+        src, names, in_state, keys = aux
+        out = new()
+        n = len(names)
+        for name, value in zip(names, children):
+            object.__setattr__(out, name, value)
+        m = n + len(in_state)
+        if in_state:
+            out.__dict__.update(zip(in_state, children[n:m]))
         if base is collections.defaultdict:
             out.default_factory = src.default_factory
-        if keys is not None:
-            for k, v in zip(keys, children[n:]):
+        if user:
+            object.__setattr__(out, "data", dict(zip(keys, children[m:])) if mapping else children[m:])  # type: ignore[arg-type]
+        elif keys is not None:
+            for k, v in zip(keys, children[m:]):
                 setitem(out, k, v)
         elif base is list:
-            list.extend(out, children[n:])
+            list.extend(out, children[m:])
         return out
 
-    return Kind(NODE, flatten, unflatten, _object_entry)
+    return Kind(NODE, flatten, unflatten, _object_entry, _object_keys)
 
 
 def _slot_names(klass: type) -> tuple[str, ...]:
@@ -266,20 +321,60 @@ def _slot_names(klass: type) -> tuple[str, ...]:
     return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
-def _object_entry(aux: tuple[Any, tuple[str, ...], list[Any] | None], i: int) -> str:
-    _, present, keys = aux
-    if i < len(present):
-        return f".{present[i]}"
-    if keys is not None:
-        return f"[{keys[i - len(present)]!r}]"
-    return f"[{i - len(present)}]"
+def _object_entry(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None], i: int) -> str:
+    _, names, in_state, keys = aux
+    n = len(names)
+    if i < n:
+        return f".{names[i]}"
+    if i < n + len(in_state):
+        return f".{in_state[i - n]}"
+    i -= n + len(in_state)
+    return f"[{keys[i]!r}]" if keys is not None else f"[{i}]"
+
+
+def _object_keys(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None]) -> list[Any]:
+    _, names, in_state, keys = aux
+    return [*(_NO_KEY,) * (len(names) + len(in_state)), *(keys or ())]
 
 
 def _container_base(tp: type) -> type | None:
-    for base in (collections.defaultdict, collections.OrderedDict, dict, list):
+    for base in _BASES:
         if issubclass(tp, base):
             return base
     return None
+
+
+_BASES = (collections.defaultdict, collections.OrderedDict, dict, list, collections.UserDict, collections.UserList)
+
+
+def _mapping_flatten(m: collections.abc.Mapping[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+    keys = list(m)
+    children = [m[k] for k in keys]
+    return children, (m, keys, children.copy())
+
+
+def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
+    """Any other mapping: built again from a dict of its moved items, as accelerate and torchtnt do.
+
+    One that holds nothing moved comes back as the very same object (``os.environ`` is a mapping
+    too). One whose constructor does not take a dict is refused: a copy with its items set could
+    share its storage with the input and change it.
+    """
+    src, keys, before = aux
+    if all(map(operator.is_, children, before)):
+        return src
+    tp = type(src)
+    try:
+        return tp(dict(zip(keys, children)))
+    except Exception as err:
+        msg = (
+            f"Cannot rebuild a {tp.__qualname__}: {tp.__qualname__}(dict) failed ({type(err).__name__}: {err}). "
+            f"Register it with todevice.register(), or leave it where it is with skip_keys."
+        )
+        raise TypeError(msg) from err
+
+
+_MAPPING = Kind(NODE, _mapping_flatten, _mapping_unflatten, lambda aux, i: f"[{aux[1][i]!r}]", lambda aux: aux[1])
 
 
 # ---------------------------------------------------------------- the registry
@@ -409,6 +504,8 @@ def _deferred_flatten(d: Deferred) -> tuple[list[Any], Deferred]:
 
 
 def _deferred_unflatten(d: Deferred, children: list[Any]) -> Any:
+    if d.unflatten is not None:
+        return d.unflatten(d.aux, children)
     reg = _registry.get(d.cls)
     if reg is None:
         name = d.cls.__qualname__
@@ -455,9 +552,11 @@ def _classify(tp: type) -> Kind:
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
-        return Kind(NODE, _namedtuple_flatten, _structseq_unflatten, _index_entry)
+        return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry)
     if dataclasses.is_dataclass(tp) or _container_base(tp) is not None:
         return _object_kind(tp)
+    if issubclass(tp, collections.abc.Mapping):
+        return _MAPPING
     return Kind(UNKNOWN)
 
 
@@ -486,6 +585,7 @@ def kind_of(tp: type) -> Kind:
 def kind_for_packing(tp: type) -> Kind:
     """``kind_of``, but a registered type is kept as a ``Deferred`` node instead of being rebuilt."""
     kind = kind_of(tp)
-    if kind.code == NODE and tp in _registry:
-        return Kind(NODE, kind.flatten, lambda aux, children: Deferred(tp, aux, children), kind.entry)
+    if kind.entry is _registered_entry:  # the rule itself says it is registered: no second lookup to race
+        unflatten = kind.unflatten
+        return Kind(NODE, kind.flatten, lambda aux, children: Deferred(tp, aux, children, unflatten), kind.entry)
     return kind

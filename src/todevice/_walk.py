@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from todevice import _tree
+from todevice import _stream, _tree
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
@@ -64,6 +64,7 @@ def make(
     leaf: Callable[[Any, int, Any], Any],
     kind_of: Callable[[type], _tree.Kind],
     slot: Callable[[Any, Any], Any] | None = None,
+    skip: frozenset[Any] = frozenset(),
 ) -> Walk:
     """The walk that rebuilds a structure: every container anew, every leaf through these functions.
 
@@ -73,6 +74,7 @@ def make(
     atom, by its ``_tree`` code. ``kind_of`` classifies types. ``slot(x, state)`` fills a packed
     batch's slot, one per packed tensor, inline like a tensor (by default, ``leaf`` does). ``state`` is
     one call's own, passed down as it is: the functions are made once and shared by every call.
+    A mapping's item whose key is in ``skip`` comes back as it is, whatever it holds.
     """
     # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
@@ -85,7 +87,7 @@ def make(
             return x if keep(x) else tensor(x, s)
         # Containers handle their leaves inline: a call per leaf would cost as much as everything else
         # done for a tensor that stays where it is.
-        if tp is dict:
+        if tp is dict and not skip:
             return {
                 k: (
                     (v if keep(v) else tensor(v, s))
@@ -119,6 +121,14 @@ def make(
                 raise
             except Exception as err:  # a registered flatten's error names the node's path
                 raise LeafError(x, err) from err
+            if skip and kind.keys is not None:
+                done = [v if k in skip else walk(v, s) for k, v in zip(kind.keys(aux), children)]
+                try:
+                    return kind.unflatten(aux, done)  # type: ignore[misc]
+                except RecursionError:
+                    raise
+                except Exception as err:
+                    raise LeafError(x, err) from err
         done = [
             (v if keep(v) else tensor(v, s))
             if type(v) is tensor_type
@@ -143,7 +153,7 @@ def make(
     def walk_iteratively(obj: Any, s: Any) -> Any:
         """The same walk with an explicit stack, for structures nested deeper than Python recursion."""
         result: list[Any] = []
-        # Frames: [node, kind, children, aux, next child index, results so far].
+        # Frames: [node, kind, children, aux, next child index, results so far, keys of children to skip].
         stack: list[list[Any]] = []
 
         def enter(x: Any) -> None:
@@ -153,14 +163,18 @@ def make(
                 result.append(walk(x, s))  # a leaf: the walk does not recurse
                 return
             children, aux = guarded(x, kind.flatten, x)  # type: ignore[arg-type]
-            stack.append([x, kind, children, aux, 0, []])
+            keys = kind.keys(aux) if skip and kind.keys is not None else None
+            stack.append([x, kind, children, aux, 0, [], keys])
 
         enter(obj)
         while stack:
             frame = stack[-1]
-            x, kind, children, aux, k, done = frame
+            x, kind, children, aux, k, done, keys = frame
             if k < len(children):
                 frame[4] = k + 1
+                if keys is not None and keys[k] in skip:
+                    done.append(children[k])
+                    continue
                 depth = len(stack)
                 enter(children[k])
                 if len(stack) == depth:  # a leaf was moved, not a frame pushed
@@ -208,11 +222,12 @@ class CycleError(Exception):
         self.node = node
 
 
-def paths(obj: Any, *, revisit: bool = False) -> Iterator[tuple[str, Any]]:
+def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()) -> Iterator[tuple[str, Any]]:
     """Every (path, object) pair below ``obj``, depth first, without recursion.
 
     A container reached more than once is listed once, or at each place with ``revisit``; a
-    container that contains itself raises ``CycleError`` with the path of the repeat.
+    container that contains itself raises ``CycleError`` with the path of the repeat. A mapping's
+    items under the keys in ``skip`` are not listed.
     """
     stack: list[tuple[str, Any, bool]] = [("", obj, False)]
     on_path: dict[int, str] = {}
@@ -238,8 +253,10 @@ def paths(obj: Any, *, revisit: bool = False) -> Iterator[tuple[str, Any]]:
         stack.append((path, node, True))
         assert kind.flatten is not None and kind.entry is not None
         children, aux = kind.flatten(node)
+        keys = kind.keys(aux) if skip and kind.keys is not None else None
         for j in range(len(children) - 1, -1, -1):
-            stack.append((path + kind.entry(aux, j), children[j], False))
+            if keys is None or keys[j] not in skip:
+                stack.append((path + kind.entry(aux, j), children[j], False))
 
 
 def find_path(obj: Any, target: Any) -> str | None:
@@ -311,3 +328,52 @@ def inside(obj: Any) -> Iterator[tuple[str, Any]]:
         yield from ((f"[{key!r}]", value) for key, value in obj.items())
     else:
         yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
+
+
+def devices_held(obj: Any, depth: int = 3) -> set[torch.device]:
+    """The accelerators whose memory an object with ``.to()`` holds, as far as its fields, items and
+    attributes show, a few levels deep.
+
+    Where none is seen, every device the process has a context on: never every device, since
+    synchronizing one creates a CUDA context there (about 0.5 GiB).
+    """
+    found: set[torch.device] = set()
+
+    def look(x: Any, depth: int) -> None:
+        try:
+            for _, node in paths([value for _, value in inside(x)]):
+                if isinstance(node, torch.Tensor):
+                    if not (node.is_cpu or node.is_meta):
+                        found.add(node.device)
+                elif depth and _tree.kind_of(type(node)).code in (_tree.UNKNOWN, _tree.TO):
+                    look(node, depth - 1)
+        except CycleError:
+            pass
+
+    look(obj, depth)
+    return found or set(_stream.devices_in_use())
+
+
+def refuse_unknown(obj: Any, skip: frozenset[Any]) -> None:
+    """strict=True: raise, before anything is copied, listing every object move() does not understand."""
+    found: list[str] = []
+    try:
+        for path, node in paths(obj, skip=skip):
+            code = _tree.kind_of(type(node)).code
+            if code == _tree.UNKNOWN or code == _tree.MODULE:
+                hint = " (an nn.Module: move it with module.to(device))" if code == _tree.MODULE else ""
+                found.append(f"  {format_path(path)}: {type(node).__qualname__}{hint}")
+    except CycleError as cycle:
+        raise ValueError(cycle_message(cycle)) from None
+    if not found:
+        return
+    shown = found[:20]
+    if len(found) > len(shown):
+        shown.append(f"  ... and {len(found) - len(shown)} more")
+    listing = "\n".join(shown)
+    msg = (
+        f"Cannot move {len(found)} object(s) with strict=True: they are not tensors, containers, objects "
+        f"with .to() or atomic values:\n{listing}\n"
+        f"Register their types with todevice.register(), or pass strict=False to leave them as they are."
+    )
+    raise TypeError(msg)

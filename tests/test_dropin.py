@@ -1,0 +1,473 @@
+"""What users of the peers' helpers expect from move(), and the bugs adversarial testing found."""
+
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+import functools
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import todevice
+from tests import helpers
+from todevice import _tree
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+def ones(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape or (2,))
+
+
+# ---------------------------------------------------------------- mappings that are not dicts
+
+
+class ReadOnly(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A mapping built from a dict, as most custom mappings are."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Registry(collections.abc.MutableMapping):  # type: ignore[type-arg]
+    """A mutable mapping whose constructor does not take a dict."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size, self._data = name, size, {}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._data[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Frozen(ReadOnly):
+    """A read-only mapping whose constructor does not take a dict: nothing can rebuild it."""
+
+    def __init__(self, name: str, data: dict[str, Any]) -> None:
+        super().__init__(data)
+        self.name = name
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """Like a tokenizer's BatchEncoding: a UserDict with its own .to(), which moves it in place."""
+
+    def to(self, device: Any, non_blocking: bool = False) -> Encoding:
+        self.data = {k: v.to(device) for k, v in self.data.items()}
+        self.moved_by_to = True
+        return self
+
+
+def test_a_userdict_is_rebuilt_with_its_items_and_attributes_moved() -> None:
+    d = collections.UserDict({"x": ones(), "n": 3})
+    d.extra = ones(3)  # type: ignore[attr-defined]
+    for coalesce in (False, True):
+        out = todevice.move(d, "meta", coalesce=coalesce)
+        assert type(out) is collections.UserDict and out is not d
+        assert out["x"].device == META and out["n"] == 3 and out.extra.device == META
+    assert d["x"].device == CPU and d.extra.device == CPU  # the input is untouched
+    assert todevice.pack(d).unpack()["x"].equal(d["x"])
+    assert todevice.devices(d) == {".extra": CPU, "['x']": CPU}
+
+
+def test_any_mapping_is_rebuilt_through_its_constructor_from_a_dict() -> None:
+    m = ReadOnly({"x": ones(), "y": [ones(3)], "s": "keep"})
+    out = todevice.move(m, "meta")
+    assert type(out) is ReadOnly and list(out) == ["x", "y", "s"]
+    assert out["x"].device == META and out["y"][0].device == META and out["s"] is m["s"]
+    assert todevice.move({"m": m}, "meta", coalesce=True)["m"]["y"][0].device == META
+    assert todevice.check(m) == CPU
+
+
+@pytest.mark.parametrize("mapping", [Frozen("f", {"x": ones()}), Registry("r", 4)], ids=["read-only", "mutable"])
+def test_a_mapping_that_cannot_be_rebuilt_from_a_dict_names_its_path_and_the_fix(mapping: Any) -> None:
+    if isinstance(mapping, Registry):
+        mapping["x"] = ones()
+    with pytest.raises(TypeError, match=r"Cannot move \['f'\] \(\w+\) to meta: Cannot rebuild a \w+: .*register"):
+        todevice.move({"f": mapping}, "meta")
+    assert mapping["x"].device == CPU  # a copy with its items set would have shared (and changed) its storage
+    assert todevice.move({"f": mapping}, "meta", skip_keys="f")["f"] is mapping
+
+
+def test_a_mapping_holding_nothing_to_move_comes_back_as_itself() -> None:
+    assert todevice.move(os.environ, "meta") is os.environ
+    f = Frozen("f", {"a": 1})
+    assert todevice.move({"f": f}, "meta")["f"] is f
+
+
+def test_a_mapping_with_its_own_to_still_goes_through_it() -> None:
+    enc = Encoding({"input_ids": torch.arange(3)})
+    out = todevice.move(enc, "meta")
+    assert out.moved_by_to and out["input_ids"].device == META
+    assert not hasattr(enc, "moved_by_to") and enc["input_ids"].device == CPU
+
+
+# ---------------------------------------------------------------- instance attributes
+
+
+@dataclasses.dataclass
+class WithExtras:
+    x: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.doubled = self.x * 2  # not a field
+
+    @functools.cached_property
+    def plus_one(self) -> torch.Tensor:
+        return self.x + 1
+
+
+@dataclasses.dataclass(slots=True)
+class Slotted:
+    x: torch.Tensor
+
+
+class SlottedMore(Slotted):
+    __slots__ = ("cache",)
+
+
+@pytest.mark.parametrize("how", ["move", "coalesced", "to cpu with a cast", "pack"])
+def test_no_tensor_reachable_from_a_dataclass_stays_behind(how: str) -> None:
+    d = WithExtras(ones())
+    assert d.plus_one.device == CPU  # cached now, in the instance __dict__
+    if how == "move":
+        out = todevice.move(d, "meta")
+    elif how == "coalesced":
+        out = todevice.move(d, "meta", coalesce=True)
+    elif how == "pack":
+        out = todevice.pack(d).unpack("meta")
+    else:
+        out = todevice.move(d, "cpu", dtype=torch.float64)
+    want = torch.float64 if how == "to cpu with a cast" else torch.float32
+    assert {path: (t.device, t.dtype) for path, t in todevice._inspect._tensors(out)} == {
+        ".x": (out.x.device, want),
+        ".doubled": (out.x.device, want),
+        ".plus_one": (out.x.device, want),
+    }
+    assert out.plus_one is out.__dict__["plus_one"]  # still the cached value, not recomputed
+
+
+def test_devices_and_check_see_a_dataclass_s_other_attributes() -> None:
+    d = WithExtras(ones())
+    d.doubled = d.doubled.to("meta")
+    assert todevice.devices(d) == {".x": CPU, ".doubled": META}
+    with pytest.raises(todevice.DeviceMismatchError, match=r"meta: \.doubled"):
+        todevice.check(d)
+
+
+def test_slots_that_are_not_fields_are_moved_too() -> None:
+    s = SlottedMore(ones())
+    s.cache = ones(3)
+    out = todevice.move(s, "meta")
+    assert out.x.device == META and out.cache.device == META
+    unset = todevice.move(SlottedMore(ones()), "meta")
+    assert not hasattr(unset, "cache")
+
+
+def test_dict_and_list_subclasses_move_their_instance_attributes() -> None:
+    d = helpers.TaggedDict(ones(), {"x": ones()})
+    lst = helpers.TaggedList(ones(), [ones()])
+    out = todevice.move({"d": d, "l": lst}, "meta")
+    assert out["d"].tag.device == META and out["d"]["x"].device == META
+    assert out["l"].tag.device == META and out["l"][0].device == META
+    assert d.tag.device == CPU and lst.tag.device == CPU
+
+
+# ---------------------------------------------------------------- .to() that returns None
+
+
+class MovesInPlace:
+    def __init__(self) -> None:
+        self.t = ones()
+
+    def to(self, device: Any, non_blocking: bool = False) -> None:
+        self.t = self.t.to(device)
+
+
+def test_an_object_whose_to_returns_none_comes_back_moved() -> None:
+    obj = MovesInPlace()
+    out = todevice.move({"o": obj}, "meta")["o"]
+    assert type(out) is MovesInPlace and out is not obj
+    assert out.t.device == META and obj.t.device == CPU
+
+
+# ---------------------------------------------------------------- skip_keys
+
+
+@pytest.mark.parametrize("target", ["meta", "cpu"])
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_skip_keys_leaves_those_entries_exactly_as_they_are(target: str, coalesce: bool) -> None:
+    lengths = torch.tensor([3, 2])
+    batch = {
+        "x": ones(2, 3),
+        "lengths": lengths,
+        "inner": [{"lengths": {"deep": lengths, "more": [ones()]}, "y": ones()}],
+        "od": collections.OrderedDict(lengths=ones(), z=ones()),
+        "rec": helpers.TaggedDict("t", {"lengths": ones(), "w": ones()}),
+        "map": ReadOnly({"lengths": ones(), "v": ones()}),
+    }
+    dtype = torch.float64 if target == "cpu" else None
+    out = todevice.move(batch, target, skip_keys="lengths", coalesce=coalesce, dtype=dtype)
+    assert out["lengths"] is lengths and out["inner"][0]["lengths"] is batch["inner"][0]["lengths"]
+    assert out["od"]["lengths"] is batch["od"]["lengths"] and out["rec"]["lengths"] is batch["rec"]["lengths"]
+    assert out["map"]["lengths"] is batch["map"]["lengths"]
+    moved = [out["x"], out["inner"][0]["y"], out["od"]["z"], out["rec"]["w"], out["map"]["v"]]
+    if target == "meta":
+        assert all(t.device == META for t in moved)
+    else:
+        assert all(t.dtype == torch.float64 for t in moved)
+
+
+def test_skip_keys_takes_a_collection_and_is_checked() -> None:
+    batch = {"a": ones(), "b": ones(), "c": ones()}
+    out = todevice.move(batch, "meta", skip_keys=["a", "b"])
+    assert out["a"] is batch["a"] and out["b"] is batch["b"] and out["c"].device == META
+    assert todevice.move(batch, "meta", skip_keys=())["a"].device == META
+    with pytest.raises(TypeError, match=r"Cannot skip keys \[1\]: skip_keys takes a str or a collection of str"):
+        todevice.move(batch, "meta", skip_keys=[1])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"skip_keys takes a str"):
+        todevice.move(batch, "meta", skip_keys=3)  # type: ignore[arg-type]
+
+
+def test_skip_keys_hides_entries_from_strict() -> None:
+    batch = {"x": ones(), "meta": {"handle": object()}}
+    with pytest.raises(TypeError, match=r"\['meta'\]\['handle'\]: object"):
+        todevice.move(batch, "meta", strict=True)
+    assert todevice.move(batch, "meta", strict=True, skip_keys="meta")["meta"] is batch["meta"]
+
+
+def test_skip_keys_in_a_structure_deeper_than_the_recursion_limit() -> None:
+    deep: Any = {"lengths": ones(), "x": ones()}
+    for _ in range(3000):
+        deep = {"next": deep}
+    out = todevice.move(deep, "meta", skip_keys="lengths")
+    for _ in range(3000):
+        out, deep = out["next"], deep["next"]
+    assert out["lengths"] is deep["lengths"] and out["x"].device == META
+
+
+def test_skip_keys_with_a_packed_batch_keeps_those_tensors_on_the_host() -> None:
+    batch = {"x": ones(3), "lengths": torch.tensor([3, 1])}
+    packed = todevice.pack(batch)
+    out = todevice.move(packed, "meta", skip_keys="lengths", coalesce=True)
+    assert out["x"].device == META
+    assert out["lengths"].device == CPU and out["lengths"].tolist() == [3, 1]
+    out = todevice.move({"p": packed}, "meta", skip_keys=["lengths"])
+    assert out["p"]["x"].device == META and out["p"]["lengths"].device == CPU
+
+
+def test_prefetch_skips_keys_too() -> None:
+    batches = [{"x": ones(), "lengths": torch.tensor([i])} for i in range(3)]
+    got = list(todevice.prefetch(batches, "meta", skip_keys="lengths"))
+    assert [b["lengths"] for b in got] == [b["lengths"] for b in batches]
+    assert all(b["x"].device == META for b in got)
+    with pytest.raises(TypeError, match=r"skip_keys takes a str"):
+        todevice.prefetch(batches, "meta", skip_keys=[None])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- a consistent registry
+
+
+class Box:
+    def __init__(self, v: Any) -> None:
+        self.v = v
+
+
+def test_a_coalesced_move_uses_the_registration_it_started_with() -> None:
+    """The type is unregistered between packing and unpacking, as another thread may do."""
+
+    def flatten(b: Box) -> tuple[list[Any], None]:
+        todevice.unregister(Box)  # right while the move is packing the batch
+        return [b.v], None
+
+    todevice.register(Box, flatten, lambda aux, ch: Box(ch[0]))
+    try:
+        out = todevice.move({"box": Box(ones())}, "meta", coalesce=True)
+    finally:
+        if Box in _tree._registry:
+            todevice.unregister(Box)
+    assert type(out["box"]) is Box and out["box"].v.device == META
+
+
+def test_coalesced_moves_while_another_thread_unregisters() -> None:
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        while not stop.is_set():
+            todevice.register(Box, lambda b: ([b.v], None), lambda aux, ch: Box(ch[0]))
+            todevice.unregister(Box)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(2000):
+            try:
+                out = todevice.move({"box": Box(ones()), "x": ones()}, "meta", coalesce=True)
+                assert out["x"].device == META
+            except BaseException as err:  # surfaced below
+                errors.append(err)
+    finally:
+        stop.set()
+        thread.join()
+        if Box in _tree._registry:
+            todevice.unregister(Box)
+    assert errors == []
+
+
+# ---------------------------------------------------------------- structseqs
+
+
+def test_a_structseq_holding_no_tensor_comes_back_as_itself() -> None:
+    st = time.localtime()
+    stat = os.stat(".")
+    out = todevice.move({"time": st, "stat": stat}, "meta")
+    assert out["time"] is st and out["stat"] is stat
+
+
+def test_a_structseq_holding_tensors_keeps_every_field() -> None:
+    st = time.struct_time((ones(), *range(8)), {"tm_zone": ones(3), "tm_gmtoff": 7})
+    for out in (todevice.move(st, "meta"), todevice.move([st], "meta", coalesce=True)[0]):
+        assert type(out) is time.struct_time
+        assert out.tm_year.device == META and out.tm_zone.device == META and out.tm_gmtoff == 7
+        assert tuple(out)[1:] == tuple(range(8))
+    assert todevice.devices(st) == {"[0]": CPU, ".tm_zone": CPU}
+    values, indices = todevice.move(torch.max(torch.ones(2, 2), 0), "meta")
+    assert values.device == META and indices.device == META
+
+
+# ---------------------------------------------------------------- diagnostics and cycles
+
+
+class Loop:
+    """An object with .to() that refers back to itself, or to its parent."""
+
+    def __init__(self, parent: Any = None) -> None:
+        self.t = ones()
+        self.back = self if parent is None else parent
+
+    def to(self, *args: Any, **kwargs: Any) -> Loop:
+        return self
+
+
+def test_devices_and_check_refuse_a_to_object_that_refers_back_with_its_path() -> None:
+    with pytest.raises(ValueError, match=r"the Loop at \['a'\] contains itself at \['a'\]\.back"):
+        todevice.devices({"a": Loop()})
+    parent: dict[str, Any] = {}
+    parent["child"] = Loop(parent)
+    with pytest.raises(ValueError, match=r"Cannot inspect a cyclic structure: the Loop at \['child'\]"):
+        todevice.check(parent)
+    shared = Loop([])
+    assert todevice.devices([shared, shared]) == {"[0].t": CPU, "[1].t": CPU}  # shared, not a cycle
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(None, TypeError), (1.5, TypeError), (True, TypeError), ("64k", TypeError), (-1, ValueError)]
+)
+def test_coalesce_max_bytes_is_checked(value: Any, error: type[Exception]) -> None:
+    t = ones().requires_grad_()
+    with pytest.raises(error, match=r"Cannot coalesce with coalesce_max_bytes=.*expected a number of bytes"):
+        todevice.move({"t": t}, "meta", coalesce=True, coalesce_max_bytes=value)
+    with pytest.raises(error, match=r"coalesce_max_bytes"):
+        todevice.move({"t": t}, "cpu", coalesce_max_bytes=value)  # checked where it has no effect too
+    assert todevice.move({"t": t}, "meta", coalesce=True, coalesce_max_bytes=65536)["t"].requires_grad
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), ("x", TypeError), (False, TypeError)])
+def test_pack_max_bytes_is_checked(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=r"Cannot pack with max_bytes="):
+        todevice.pack({"t": ones()}, max_bytes=value)
+
+
+# ---------------------------------------------------------------- constructors never called
+
+
+class NeedsArgs(dict):  # type: ignore[type-arg]
+    def __new__(cls, required: int) -> NeedsArgs:
+        return super().__new__(cls)
+
+    def __init__(self, required: int) -> None:
+        super().__init__()
+        self.required = required
+
+
+class OrderedNeedsArgs(collections.OrderedDict):  # type: ignore[type-arg]
+    def __new__(cls, required: int) -> OrderedNeedsArgs:
+        return super().__new__(cls)
+
+    def __init__(self, required: int) -> None:
+        super().__init__()
+
+
+class ListNeedsArgs(list):  # type: ignore[type-arg]
+    def __new__(cls, required: int) -> ListNeedsArgs:
+        return super().__new__(cls)
+
+    def __init__(self, required: int) -> None:
+        super().__init__()
+
+
+@pytest.mark.parametrize("how", ["move", "coalesced", "pack"])
+def test_subclasses_whose_new_wants_arguments_are_moved(how: str) -> None:
+    d, od, lst = NeedsArgs(1), OrderedNeedsArgs(2), ListNeedsArgs(3)
+    d["x"], od["x"] = ones(), ones()
+    lst.append(ones())
+    batch = {"d": d, "od": od, "l": lst}
+    if how == "pack":
+        out = todevice.pack(batch).unpack("meta")
+    else:
+        out = todevice.move(batch, "meta", coalesce=how == "coalesced")
+    assert type(out["d"]) is NeedsArgs and out["d"].required == 1 and out["d"]["x"].device == META
+    assert type(out["od"]) is OrderedNeedsArgs and out["od"]["x"].device == META
+    assert type(out["l"]) is ListNeedsArgs and out["l"][0].device == META
+
+
+# ---------------------------------------------------------------- guard
+
+
+def test_guard_reads_a_generator_of_ignored_inputs_once() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(2, device="meta"))  # so the guard hooks this module
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    net = Net()
+    with pytest.raises(todevice.DeviceMismatchError, match=r"kwargs\['lengths'\] is on cpu"), todevice.guard(net):
+        net(torch.ones(2, 2, device="meta"), lengths=torch.tensor([1, 2]))
+    with todevice.guard(net, ignore=(name for name in ["lengths"])):
+        net(torch.ones(2, 2, device="meta"), lengths=torch.tensor([1, 2]))  # the keyword form is ignored
+    with todevice.guard(net, ignore="lengths"):
+        net(torch.ones(2, 2, device="meta"), lengths=torch.tensor([1, 2]))
