@@ -9,41 +9,14 @@ import torch
 from hypothesis import strategies as st
 
 from tests import helpers
+from todevice import testing
 
-DTYPES = [
-    torch.float16,
-    torch.float32,
-    torch.float64,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-]
-
-
-@st.composite
-def tensors(draw: st.DrawFn) -> torch.Tensor:
-    """Tensors of any dtype and shape: 0-dim, empty, contiguous or a non-contiguous view."""
-    dtype = draw(st.sampled_from(DTYPES))
-    shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=3))
-    layout = draw(st.sampled_from(["plain", "transposed", "stepped"]))
-    seed = draw(st.integers(0, 2**16))
-    gen = torch.Generator().manual_seed(seed)
-    if layout == "stepped":
-        shape = [*shape[:-1], (shape[-1] if shape else 1) * 2 + 1]
-    base = torch.randn(shape or [], generator=gen) * 10
-    t = base.to(dtype) if dtype is not torch.bool else base > 0
-    if layout == "transposed" and t.dim() >= 2:
-        t = t.transpose(0, 1)
-    elif layout == "stepped" and t.dim() >= 1:
-        t = t[..., ::2]
-    if (dtype.is_floating_point or dtype.is_complex) and draw(st.booleans()):
-        t = t.detach().requires_grad_(True)
-    return t
+# The public strategies, where they fit: tensors and DTYPES come from todevice.testing, and batches
+# makes every container kind, for tests that check with todevice.testing.assert_moved. trees keeps
+# containers of its own: tests check it against helpers.reference_move, which knows helpers' classes.
+DTYPES = list(testing.DTYPES)
+tensors = testing.tensors
+batches = testing.batches
 
 
 atoms = st.one_of(
@@ -60,6 +33,14 @@ leaves = st.one_of(tensors(), tensors(), atoms)  # tensors twice as likely as th
 keys = st.text(alphabet="abcdefgh", min_size=1, max_size=3)
 
 
+def _reordered(d: dict[str, Any]) -> collections.OrderedDict[str, Any]:
+    """An OrderedDict whose own order differs from that of the dict underneath it."""
+    out = collections.OrderedDict(sorted(d.items()))
+    if len(out) > 1:
+        out.move_to_end(next(iter(out)))
+    return out
+
+
 def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     lists = st.lists(children, max_size=4)
     dicts = st.dictionaries(keys, children, max_size=4)
@@ -69,6 +50,7 @@ def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         lists.map(tuple),
         dicts,
         dicts.map(lambda d: collections.OrderedDict(sorted(d.items()))),
+        dicts.map(_reordered),
         dicts.map(lambda d: collections.defaultdict(list, d)),
         lists.map(lambda v: collections.deque(v, maxlen=8)),
         hashables.map(set),
