@@ -9,6 +9,7 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,7 +95,18 @@ def test_a_userdict_is_rebuilt_with_its_items_and_attributes_moved() -> None:
         assert out["x"].device == META and out["n"] == 3 and out.extra.device == META
     assert d["x"].device == CPU and d.extra.device == CPU  # the input is untouched
     assert todevice.pack(d).unpack()["x"].equal(d["x"])
-    assert todevice.devices(d) == {".extra": CPU, "['x']": CPU}
+    assert todevice.devices(d) == {".data['x']": CPU, ".extra": CPU}  # its items live in its .data
+
+
+def test_a_userdict_keeps_the_type_of_its_data() -> None:
+    ordered = collections.UserDict()
+    ordered.data = collections.OrderedDict(a=ones(), b=ones())
+    ordered.data.move_to_end("a")
+    out = todevice.move(ordered, "meta")
+    assert type(out.data) is collections.OrderedDict and list(out) == ["b", "a"]
+    counts = collections.UserDict()
+    counts.data = collections.defaultdict(list, {"a": ones()})
+    assert todevice.move(counts, "meta").data["missing"] == []
 
 
 def test_any_mapping_is_rebuilt_through_its_constructor_from_a_dict() -> None:
@@ -118,8 +130,18 @@ def test_a_mapping_that_cannot_be_rebuilt_from_a_dict_names_its_path_and_the_fix
 
 def test_a_mapping_holding_nothing_to_move_comes_back_as_itself() -> None:
     assert todevice.move(os.environ, "meta") is os.environ
-    f = Frozen("f", {"a": 1})
-    assert todevice.move({"f": f}, "meta")["f"] is f
+    for f in (Frozen("f", {"a": 1}), Frozen("f", {"a": [1, (2, "x")], "b": {"c": None}})):
+        assert todevice.move({"f": f}, "meta")["f"] is f  # inner containers rebuilt around the same leaves
+
+
+def test_weak_mappings_are_left_alone_and_a_chainmap_keeps_its_maps() -> None:
+    t = ones()
+    weak = weakref.WeakValueDictionary({"a": t})
+    assert todevice.move({"w": weak}, "meta")["w"] is weak  # new tensors in it would be freed at once
+    chain = collections.ChainMap({"a": ones()}, {"b": ones()})
+    out = todevice.move(chain, "meta")
+    assert type(out) is collections.ChainMap and len(out.maps) == 2
+    assert out["a"].device == META and out["b"].device == META
 
 
 def test_a_mapping_with_its_own_to_still_goes_through_it() -> None:
@@ -200,6 +222,88 @@ def test_dict_and_list_subclasses_move_their_instance_attributes() -> None:
     assert d.tag.device == CPU and lst.tag.device == CPU
 
 
+class EasyDict(dict):  # type: ignore[type-arg]
+    """Keeps every item as an attribute too, as the popular attribute-access dicts do."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        super().__init__()
+        for k, v in d.items():
+            v = EasyDict(v) if isinstance(v, dict) else v
+            self[k] = v
+            setattr(self, k, v)
+
+
+class AttrDict(dict):  # type: ignore[type-arg]
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.__dict__ = self
+
+
+class DotDict(dict):  # type: ignore[type-arg]
+    __slots__ = ()
+    __getattr__ = dict.__getitem__
+
+
+class Inner:
+    def __init__(self) -> None:
+        self.t = ones()
+
+
+@dataclasses.dataclass(slots=True)
+class Delegating:
+    inner: Inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@dataclasses.dataclass(slots=True)
+class Public:
+    pub: torch.Tensor
+
+
+class PrivateSlot(Public):
+    __slots__ = ("__cache",)
+
+    def __init__(self) -> None:
+        super().__init__(ones())
+        self.__cache = ones()
+
+    def cache(self) -> torch.Tensor:
+        return self.__cache
+
+
+def test_an_attribute_access_dict_is_walked_once_per_item() -> None:
+    nested: dict[str, Any] = {"x": ones()}
+    for _ in range(40):  # walked twice per level, this would take 2**40 steps
+        nested = {"c": nested, "t": ones()}
+    e = EasyDict(nested)
+    out = todevice.move(e, "meta")
+    assert out.c is out["c"] and out.t is out["t"] and out.t.device == META
+    assert len(todevice.devices(e)) == 41  # each tensor once, under its item
+    a = todevice.move(AttrDict({"x": ones()}), "meta")
+    assert a.__dict__ is a and a.x.device == META
+    a.y = 5
+    assert a["y"] == 5
+
+
+def test_attributes_are_read_and_written_below_getattr() -> None:
+    inner = Inner()
+    out = todevice.move(Delegating(inner), "meta")
+    assert inner.t.device == CPU and inner.__dict__.keys() == {"t"}  # the input is untouched
+    assert out.inner is inner  # an object todevice does not know, kept as it is
+    d = DotDict(x=ones())
+    assert todevice.move(d, "meta")["x"].device == META
+    assert todevice.devices(d) == {"['x']": CPU}
+
+
+def test_private_slots_are_moved() -> None:
+    p = PrivateSlot()
+    out = todevice.move(p, "meta")
+    assert out.cache().device == META and out.pub.device == META
+    assert todevice.devices(p) == {".pub": CPU, "._PrivateSlot__cache": CPU}
+
+
 # ---------------------------------------------------------------- .to() that returns None
 
 
@@ -273,14 +377,29 @@ def test_skip_keys_in_a_structure_deeper_than_the_recursion_limit() -> None:
     assert out["lengths"] is deep["lengths"] and out["x"].device == META
 
 
-def test_skip_keys_with_a_packed_batch_keeps_those_tensors_on_the_host() -> None:
-    batch = {"x": ones(3), "lengths": torch.tensor([3, 1])}
+def test_skip_keys_with_a_packed_batch_keeps_those_tensors_as_the_batch_holds_them() -> None:
+    batch = {"x": ones(3), "w": ones(2).requires_grad_(), "lengths": torch.tensor([3, 1])}
     packed = todevice.pack(batch)
-    out = todevice.move(packed, "meta", skip_keys="lengths", coalesce=True)
-    assert out["x"].device == META
-    assert out["lengths"].device == CPU and out["lengths"].tolist() == [3, 1]
-    out = todevice.move({"p": packed}, "meta", skip_keys=["lengths"])
-    assert out["p"]["x"].device == META and out["p"]["lengths"].device == CPU
+    for out in (
+        todevice.move(packed, "meta", skip_keys="lengths", coalesce=True),
+        todevice.move({"p": packed}, "meta", skip_keys=["lengths"])["p"],
+    ):
+        assert out["x"].device == META
+        assert out["lengths"].device == CPU and out["lengths"].tolist() == [3, 1]
+        assert out["w"].device == META and out["w"].is_leaf and out["w"].requires_grad
+
+
+def test_skip_keys_names_the_right_path_and_ignores_cycles_it_skips() -> None:
+    t = torch.ones(1, device="meta")
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['x'\] "):
+        todevice.move({"lengths": t, "x": t}, "cpu", skip_keys="lengths")
+    cycle: dict[str, Any] = {}
+    cycle["self"] = cycle
+    deep: Any = ones()
+    for _ in range(3000):
+        deep = [deep]
+    out = todevice.move({"lengths": cycle, "deep": deep}, "meta", skip_keys="lengths")
+    assert out["lengths"] is cycle
 
 
 def test_prefetch_skips_keys_too() -> None:
@@ -358,9 +477,10 @@ def test_a_structseq_holding_tensors_keeps_every_field() -> None:
         assert type(out) is time.struct_time
         assert out.tm_year.device == META and out.tm_zone.device == META and out.tm_gmtoff == 7
         assert tuple(out)[1:] == tuple(range(8))
-    assert todevice.devices(st) == {"[0]": CPU, ".tm_zone": CPU}
+    assert todevice.devices(st) == {".tm_year": CPU, ".tm_zone": CPU}
     values, indices = todevice.move(torch.max(torch.ones(2, 2), 0), "meta")
     assert values.device == META and indices.device == META
+    assert list(todevice.devices(torch.max(torch.ones(2, 2), 0))) == [".values", ".indices"]
 
 
 # ---------------------------------------------------------------- diagnostics and cycles
@@ -401,6 +521,8 @@ def test_coalesce_max_bytes_is_checked(value: Any, error: type[Exception]) -> No
     with pytest.raises(error, match=r"coalesce_max_bytes"):
         todevice.move({"t": t}, "cpu", coalesce_max_bytes=value)  # checked where it has no effect too
     assert todevice.move({"t": t}, "meta", coalesce=True, coalesce_max_bytes=65536)["t"].requires_grad
+    numpy = pytest.importorskip("numpy")
+    assert todevice.move({"t": t}, "meta", coalesce=True, coalesce_max_bytes=numpy.int64(8))["t"].requires_grad
 
 
 @pytest.mark.parametrize(("value", "error"), [(-1, ValueError), ("x", TypeError), (False, TypeError)])

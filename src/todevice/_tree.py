@@ -17,6 +17,7 @@ import operator
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -213,8 +214,9 @@ def _structseq_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
 
 
 def _structseq_entry(aux: tuple[Any, ...], i: int) -> str:
-    _, n, names, _ = aux
-    return f"[{i}]" if i < n else f".{names[i - n]}"
+    src, n, names, _ = aux
+    named = getattr(type(src), "__match_args__", ())  # the tuple part's field names (values, indices)
+    return (f".{named[i]}" if i < len(named) else f"[{i}]") if i < n else f".{names[i - n]}"
 
 
 # ---------------------------------------------------------------- dataclasses, dict and list subclasses, mappings
@@ -236,109 +238,124 @@ _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, no
 
 
 def _object_kind(tp: type) -> Kind:
-    """The rule of a dataclass, a dict or list subclass, or a UserDict or UserList: worked out once per type.
+    """The rule of a dataclass, a dict or list subclass, a UserDict, UserList or ChainMap: worked out once per type.
 
     Every instance attribute is a child, moved like the fields: dataclass fields, other attributes
-    (set in ``__post_init__``, a ``functools.cached_property`` value) and slots, then the items. So no
-    tensor reachable from the result is left behind. The copy is never passed through ``__init__``,
+    (set in ``__post_init__``, a ``functools.cached_property`` value, a UserDict's ``data``) and slots,
+    then the items. So no tensor reachable from the result is left behind. An attribute that is one
+    of the items (an attribute-access dict keeps each item as an attribute too) is not walked again:
+    the copy's attribute is its copied item. Attributes are read and written below any
+    ``__getattr__`` or ``__setattr__`` of the class. The copy is never passed through ``__init__``,
     ``__new__`` or ``__setitem__`` written in Python: the constructor of a subclass may want other
     arguments, and frozen dataclasses refuse setattr. Its aux data is (source, attributes set
-    directly, attributes in ``__dict__``, dict keys).
+    directly, attributes in ``__dict__``, dict keys, attributes that are items).
     """
     fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
     base = _container_base(tp)
-    user = base is collections.UserDict or base is collections.UserList  # items in .data
-    mapping = base is not None and issubclass(base, (dict, collections.UserDict))
-    slots = tuple(
-        name for klass in tp.__mro__ for name in _slot_names(klass) if name not in ("__dict__", "__weakref__")
-    )
+    mapping = base is not None and issubclass(base, dict)
+    slots = tuple(dict.fromkeys(name for klass in tp.__mro__ for name in _slot_names(klass)))
     # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
     # them) are read and written with it, in one call each.
     in_dict = not slots and not any(hasattr(type(getattr(tp, name, None)), "__set__") for name in fields)
     direct = (() if in_dict else fields) + tuple(name for name in slots if name not in fields)
-    hidden = frozenset(direct) | ({"data"} if user else set())  # not read again from __dict__
-    ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
-    keys_of = collections.OrderedDict.keys if ordered else dict.keys
-    values_of = collections.OrderedDict.values if ordered else dict.values
-    setitem = collections.OrderedDict.__setitem__ if ordered else dict.__setitem__
+    hidden = frozenset(direct)  # not read again from __dict__
+    has_dict = tp.__dictoffset__ != 0
     new = _bare_new(tp)
 
-    if not direct and base is None:  # a plain dataclass: every attribute in __dict__, the common case
+    if not direct and base is None and has_dict:  # every attribute in __dict__: most dataclasses
         # The same aux and children as the general functions below, in fewer steps.
-        def flatten_plain(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[str], None]]:
-            state = obj.__dict__
-            return list(state.values()), (obj, (), list(state), None)
+        def flatten_plain(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[str], None, None]]:
+            state = _get(obj, "__dict__")
+            return list(state.values()), (obj, (), list(state), None, None)
 
-        def unflatten_plain(aux: tuple[Any, tuple[str, ...], list[str], None], children: list[Any]) -> Any:
+        def unflatten_plain(aux: tuple[Any, tuple[str, ...], list[str], None, None], children: list[Any]) -> Any:
             out = new(tp)
-            out.__dict__.update(zip(aux[2], children))
+            _get(out, "__dict__").update(zip(aux[2], children))
             return out
 
         return Kind(NODE, flatten_plain, unflatten_plain, _object_entry, _object_keys)
 
-    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[str], list[Any] | None]]:
+    ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
+    keys_of = collections.OrderedDict.keys if ordered else dict.keys
+    values_of = collections.OrderedDict.values if ordered else dict.values
+
+    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
         names: list[str] = []
         children: list[Any] = []
         for name in direct:
             try:
-                value = getattr(obj, name)
+                value = _get(obj, name)
             except AttributeError:  # an init=False field or a slot never set stays unset
                 continue
             names.append(name)
             children.append(value)
-        state = getattr(obj, "__dict__", None)
-        in_state: list[str] = []
-        if state and hidden:
-            in_state = [k for k in state if k not in hidden]
-            children.extend(map(state.__getitem__, in_state))
-        elif state:
-            in_state = list(state)
-            children.extend(state.values())
         keys: list[Any] | None = None
-        if user:
-            data = obj.data
-            if mapping:
-                keys = list(data)
-                children.extend(data.values())
-            else:
-                children.extend(data)
-        elif mapping:
+        items: list[Any] = []
+        if mapping:
             keys = list(keys_of(obj))
-            children.extend(values_of(obj))
+            items = list(values_of(obj))
         elif base is list:
-            children.extend(list.__iter__(obj))
-        return children, (obj, tuple(names), in_state, keys)
+            items = list(list.__iter__(obj))
+        state: Any = _get(obj, "__dict__") if has_dict else None
+        in_state: list[str] = []
+        mirrors: Any = None  # attributes that are items: (name, item index) pairs, or True for __dict__ is obj
+        if state is obj:  # an attribute-access dict whose __dict__ is itself
+            mirrors = True
+        elif state:
+            in_state = [k for k in state if k not in hidden] if hidden else list(state)
+            if items:
+                at = {id(v): i for i, v in enumerate(items)}
+                mirrors = [(k, at[id(state[k])]) for k in in_state if id(state[k]) in at] or None
+                if mirrors:
+                    skip = {k for k, _ in mirrors}
+                    in_state = [k for k in in_state if k not in skip]
+            children.extend(map(state.__getitem__, in_state))
+        children.extend(items)
+        return children, (obj, tuple(names), in_state, keys, mirrors)
 
-    def unflatten(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None], children: list[Any]) -> Any:
-        src, names, in_state, keys = aux
+    def unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
+        src, names, in_state, keys, mirrors = aux
         out = new(tp)
         n = len(names)
         for name, value in zip(names, children):
             object.__setattr__(out, name, value)
         m = n + len(in_state)
         if in_state:
-            out.__dict__.update(zip(in_state, children[n:m]))
+            _get(out, "__dict__").update(zip(in_state, children[n:m]))
         if base is collections.defaultdict:
             out.default_factory = src.default_factory
-        if user:
-            object.__setattr__(out, "data", dict(zip(keys, children[m:])) if mapping else children[m:])  # type: ignore[arg-type]
-        elif keys is not None:
+        if keys is not None:
+            setitem = collections.OrderedDict.__setitem__ if ordered else dict.__setitem__
             for k, v in zip(keys, children[m:]):
                 setitem(out, k, v)
         elif base is list:
             list.extend(out, children[m:])
+        if mirrors is True:
+            object.__setattr__(out, "__dict__", out)
+        elif mirrors:
+            _get(out, "__dict__").update((k, children[m + i]) for k, i in mirrors)
         return out
 
     return Kind(NODE, flatten, unflatten, _object_entry, _object_keys)
 
 
+_get = object.__getattribute__  # an attribute as stored: no __getattr__ of the class runs
+
+
 def _slot_names(klass: type) -> tuple[str, ...]:
+    """The slots ``klass`` declares, under the names they are stored by (``__x`` becomes ``_Klass__x``)."""
     slots = klass.__dict__.get("__slots__", ())
-    return (slots,) if isinstance(slots, str) else tuple(slots)
+    names = (slots,) if isinstance(slots, str) else tuple(slots)
+    private = "_" + klass.__name__.lstrip("_")
+    return tuple(
+        private + name if name.startswith("__") and not name.endswith("__") else name
+        for name in names
+        if name not in ("__dict__", "__weakref__")
+    )
 
 
-def _object_entry(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None], i: int) -> str:
-    _, names, in_state, keys = aux
+def _object_entry(aux: tuple[Any, ...], i: int) -> str:
+    _, names, in_state, keys, _ = aux
     n = len(names)
     if i < n:
         return f".{names[i]}"
@@ -348,8 +365,8 @@ def _object_entry(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None],
     return f"[{keys[i]!r}]" if keys is not None else f"[{i}]"
 
 
-def _object_keys(aux: tuple[Any, tuple[str, ...], list[str], list[Any] | None]) -> list[Any]:
-    _, names, in_state, keys = aux
+def _object_keys(aux: tuple[Any, ...]) -> list[Any]:
+    _, names, in_state, keys, _ = aux
     return [*(_NO_KEY,) * (len(names) + len(in_state)), *(keys or ())]
 
 
@@ -360,7 +377,12 @@ def _container_base(tp: type) -> type | None:
     return None
 
 
-_BASES = (collections.defaultdict, collections.OrderedDict, dict, list, collections.UserDict, collections.UserList)
+_BASES = (collections.defaultdict, collections.OrderedDict, dict, list)
+# Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved
+# through those attributes, which keeps the inner container's own type (an OrderedDict ``data``).
+_IN_ATTRIBUTES = (collections.UserDict, collections.UserList, collections.ChainMap)
+# Mappings whose items are weak references: rebuilt around new tensors, they would drop them at once.
+_WEAK = (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)
 
 
 def _mapping_flatten(m: collections.abc.Mapping[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
@@ -383,11 +405,28 @@ def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
     try:
         return tp(dict(zip(keys, children)))
     except Exception as err:
+        if all(map(_unchanged, children, before)):  # only containers rebuilt around the same leaves
+            return src
         msg = (
             f"Cannot rebuild a {tp.__qualname__}: {tp.__qualname__}(dict) failed ({type(err).__name__}: {err}). "
             f"Register it with todevice.register(), or leave it where it is with skip_keys."
         )
         raise TypeError(msg) from err
+
+
+def _unchanged(new: Any, old: Any) -> bool:
+    """Whether ``new`` is ``old``, or a container rebuilt around the very same leaves, at any depth."""
+    if new is old:
+        return True
+    kind = kind_of(type(old))
+    if type(new) is not type(old) or kind.code != NODE:
+        return False
+    assert kind.flatten is not None
+    try:
+        a, b = kind.flatten(new)[0], kind.flatten(old)[0]
+    except Exception:
+        return False
+    return len(a) == len(b) and all(map(_unchanged, a, b))
 
 
 _MAPPING = Kind(NODE, _mapping_flatten, _mapping_unflatten, lambda aux, i: f"[{aux[1][i]!r}]", lambda aux: aux[1])
@@ -569,8 +608,10 @@ def _classify(tp: type) -> Kind:
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
         return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry)
-    if dataclasses.is_dataclass(tp) or _container_base(tp) is not None:
+    if dataclasses.is_dataclass(tp) or _container_base(tp) is not None or issubclass(tp, _IN_ATTRIBUTES):
         return _object_kind(tp)
+    if issubclass(tp, _WEAK):
+        return Kind(UNKNOWN)
     if issubclass(tp, collections.abc.Mapping):
         return _MAPPING
     return Kind(UNKNOWN)

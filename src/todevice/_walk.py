@@ -35,9 +35,9 @@ class LeafError(Exception):
         self.inner = inner
         self.shown = leaf if shown is None else shown
 
-    def within(self, outer: Any, structure: Any) -> LeafError:
+    def within(self, outer: Any, structure: Any, skip: frozenset[Any] = frozenset()) -> LeafError:
         """This failure, as one of ``outer``, whose ``structure`` holds the failing leaf."""
-        inner = (find_path(structure, self.leaf) or "") + self.inner
+        inner = (find_path(structure, self.leaf, skip) or "") + self.inner
         return LeafError(outer, self.err, inner, self.shown)
 
 
@@ -65,6 +65,7 @@ def make(
     kind_of: Callable[[type], _tree.Kind],
     slot: Callable[[Any, Any], Any] | None = None,
     skip: frozenset[Any] = frozenset(),
+    held: Callable[[Any, Any], Any] | None = None,
 ) -> Walk:
     """The walk that rebuilds a structure: every container anew, every leaf through these functions.
 
@@ -74,12 +75,15 @@ def make(
     atom, by its ``_tree`` code. ``kind_of`` classifies types. ``slot(x, state)`` fills a packed
     batch's slot, one per packed tensor, inline like a tensor (by default, ``leaf`` does). ``state`` is
     one call's own, passed down as it is: the functions are made once and shared by every call.
-    A mapping's item whose key is in ``skip`` comes back as it is, whatever it holds.
+    A mapping's item whose key is in ``skip`` comes back as it is, whatever it holds, or as
+    ``held(item, state)`` gives it.
     """
     # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
     if slot is None:
         slot = functools.partial(_slot_leaf, leaf)
+    if held is None:
+        held = _as_it_is
 
     def walk(x: Any, s: Any) -> Any:
         tp = type(x)
@@ -122,7 +126,7 @@ def make(
             except Exception as err:  # a registered flatten's error names the node's path
                 raise LeafError(x, err) from err
             if skip and kind.keys is not None:
-                done = [v if k in skip else walk(v, s) for k, v in zip(kind.keys(aux), children)]
+                done = [held(v, s) if k in skip else walk(v, s) for k, v in zip(kind.keys(aux), children)]
                 try:
                     return kind.unflatten(aux, done)  # type: ignore[misc]
                 except RecursionError:
@@ -173,7 +177,7 @@ def make(
             if k < len(children):
                 frame[4] = k + 1
                 if keys is not None and keys[k] in skip:
-                    done.append(children[k])
+                    done.append(held(children[k], s))
                     continue
                 depth = len(stack)
                 enter(children[k])
@@ -191,14 +195,21 @@ def make(
     return Walk(walk, walk_iteratively)
 
 
+def _as_it_is(x: Any, s: Any) -> Any:
+    return x
+
+
 def _slot_leaf(leaf: Callable[[Any, int, Any], Any], x: Any, s: Any) -> Any:
     return leaf(x, _SLOT, s)
 
 
-def refuse_cycles(x: Any, err: RecursionError, verb: str = "move") -> None:
-    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end."""
+def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozenset[Any] = frozenset()) -> None:
+    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end.
+
+    The items under the keys in ``skip`` are not walked, so a cycle there is none of the walk's business.
+    """
     try:
-        for _ in paths(x):
+        for _ in paths(x, skip=skip):
             pass
     except CycleError as cycle:
         raise ValueError(cycle_message(cycle, verb)) from err
@@ -259,10 +270,10 @@ def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()
                 stack.append((path + kind.entry(aux, j), children[j], False))
 
 
-def find_path(obj: Any, target: Any) -> str | None:
-    """The first path at which ``target`` (by identity) sits inside ``obj``."""
+def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
+    """The first path at which ``target`` (by identity) sits inside ``obj``, outside the items skipped."""
     try:
-        for path, node in paths(obj):
+        for path, node in paths(obj, skip=skip):
             if node is target:
                 return path
     except CycleError:
@@ -308,13 +319,18 @@ def raise_with_message(err: BaseException, msg: str) -> NoReturn:
 
 
 def explain(
-    failure: LeafError, original: Any, dev: torch.device | None, verb: str = "move", also: Any = None
+    failure: LeafError,
+    original: Any,
+    dev: torch.device | None,
+    verb: str = "move",
+    also: Any = None,
+    skip: frozenset[Any] = frozenset(),
 ) -> NoReturn:
     """Raise a leaf's error again, with the leaf's path inside ``original`` (or ``also``) in the message."""
     leaf, cause = failure.leaf, failure.err
-    path = find_path(original, leaf)
+    path = find_path(original, leaf, skip)
     if path is None and also is not None:
-        path = find_path(also, leaf)  # a node only the skeleton of a packed batch holds
+        path = find_path(also, leaf, skip)  # a node only the skeleton of a packed batch holds
     where = format_path((path or "") + failure.inner)
     target = f" to {dev}" if dev is not None else ""
     raise_with_message(cause, f"Cannot {verb} {where} ({describe(failure.shown)}){target}: {cause}")
