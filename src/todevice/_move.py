@@ -12,13 +12,14 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from todevice import _layout, _stream, _tree, _walk
+from todevice import _layout, _stream, _traced, _tree, _walk
 from todevice._stream import DeviceLike
 from todevice._walk import LeafError
 
 T = TypeVar("T")
 
 _Tensor = torch.Tensor
+_compiled_region = _traced.in_compiled_region
 
 # Leaves up to this size are packed into one buffer and sent in one copy when moving from the host
 # to an accelerator. Packing a leaf costs a host memcpy; sending it alone costs a copy launch and an
@@ -178,7 +179,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     # repeated tensor, in host memory for the length of the call. On an accelerator that copy would
     # hold device memory, and a copy launch costs far more than the memo: there the careful walk is
     # the only one.
-    careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip)
+    careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
     return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host, to_host, skip)
 
@@ -209,16 +210,26 @@ def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
 
 def _with_options(p: Plan, skip_keys: Any, max_bytes: Any) -> Plan:
     """The plan for move()'s rarer options, checked: the keys to skip, and the coalescing limit."""
-    if type(max_bytes) is not int or max_bytes < 0:  # not bool: True is an int
-        msg = (
-            f"Cannot coalesce with coalesce_max_bytes={max_bytes!r}: expected a number of bytes, an int >= 0 "
-            f"(todevice.COALESCE_MAX_BYTES, {COALESCE_MAX_BYTES}, by default). Pass coalesce=False to coalesce nothing."
-        )
-        raise (TypeError if type(max_bytes) is not int else ValueError)(msg)
+    check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
     if skip_keys is None:
         return p
     skip = _skip_set(skip_keys)
     return plan(p.dev, p.non_blocking, p.dtype, skip) if skip else p
+
+
+def check_max_bytes(value: Any, what: str) -> None:
+    """Raise unless ``value`` is a number of bytes: an int (or a numpy integer) of 0 or more, not a bool."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        error: type[Exception] = TypeError
+    elif value < 0:
+        error = ValueError
+    else:
+        return
+    msg = (
+        f"Cannot {what}={value!r}: expected a number of bytes, an int >= 0 "
+        f"(todevice.COALESCE_MAX_BYTES, {COALESCE_MAX_BYTES}, by default)."
+    )
+    raise error(msg)
 
 
 def _skip_set(skip_keys: Any) -> frozenset[str]:
@@ -265,6 +276,7 @@ class State:
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
+    packed: Any = None  # the packed batch whose skeleton the walk fills, while it does
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     ordered = False  # on a side stream: whether it waits for the user's stream already
 
@@ -336,7 +348,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk) -> Any:
     try:
         out = walk.walk(obj, rec)
     except LeafError as failure:
-        _walk.explain(failure, obj, p.dev)
+        _walk.explain(failure, obj, p.dev, skip=p.skip)
     except (_Careful, RecursionError):  # an object the careful walk moves, or deep nesting
         return _carefully(obj, p, rec)
     if len(rec) > 2 and not _distinct(rec[::2]):  # a tensor met twice, or two over one memory
@@ -359,7 +371,7 @@ def _run(x: Any, s: State, original: Any) -> Any:
     try:
         return _careful(x, s)
     except LeafError as failure:
-        _walk.explain(failure, original, s.plan.dev, also=x)
+        _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
 
 
 def _careful(x: Any, s: State) -> Any:
@@ -367,7 +379,7 @@ def _careful(x: Any, s: State) -> Any:
     try:
         return s.plan.careful.walk(x, s)
     except RecursionError as err:
-        _walk.refuse_cycles(x, err)
+        _walk.refuse_cycles(x, err, skip=s.plan.skip)
         return s.plan.careful.walk_iteratively(x, s)
 
 
@@ -389,6 +401,19 @@ def _again(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s:
     out = _copy(t, s)
     entries.append((t, out))
     return out
+
+
+def _held(x: Any, s: State) -> Any:
+    """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
+    batch = s.packed
+    if batch is None:
+        return x
+    views = _layout.read(batch.buffer, batch.layout)  # where the batch's buffer is: nothing copied
+    for k in batch.requires_grad:
+        views[k] = views[k].requires_grad_()
+    filling = State(plan(batch.buffer.device, False, None))  # loose tensors there already stay as they are
+    filling.views, filling.aliases = views, {}
+    return _careful(x, filling)
 
 
 def _slot(x: _tree.Slot, s: State) -> torch.Tensor:
@@ -545,8 +570,10 @@ def move(
     if stream is None and not coalesce and not strict:
         if type(obj) is _Tensor:  # a bare tensor: nothing to walk or alias
             return p.one(obj)  # type: ignore[arg-type,return-value]
-        if p.walk is not None:
+        if p.walk is not None and not _compiled_region():
             return _host(obj, p, p.walk)  # type: ignore[no-any-return]
+    if _compiled_region():  # run as plain Python by a compiled function: see _traced.in_compiled_region
+        return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=p.skip)  # type: ignore[no-any-return]
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
@@ -559,6 +586,11 @@ def move(
     return out  # type: ignore[no-any-return]
 
 
+# Where dynamo would inline move(), it inlines this instead (the attribute torch sets on its own
+# compiled and scripted functions): per-leaf copies it traces, at no cost to eager calls.
+move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
+
+
 def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
     """Pack the small host tensors, send them in one copy, then move the rest around their views."""
     p = s.plan
@@ -567,7 +599,7 @@ def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
     except RecursionError:
         return _run(obj, s, obj)  # deep or cyclic: the walk handles or reports it
     except LeafError as failure:
-        _walk.explain(failure, obj, p.dev)
+        _walk.explain(failure, obj, p.dev, skip=p.skip)
     if not taken.tensors:
         return _run(obj, s, obj)
     s.views, s.aliases = _send(s, _staged(taken, p), taken.layout), {}
@@ -611,43 +643,18 @@ def unpack(s: State, batch: Any) -> Any:
     hit = s.memo.get(id(batch))
     if hit is not None:
         return hit[1]
-    if s.plan.skip:
-        return _unpack_skipping(s, batch)
     views = _send(s, batch.buffer, batch.layout)
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
     skeleton = batch.skeleton
-    outer = s.views, s.aliases
-    s.views, s.aliases = views, {}
+    outer = s.views, s.aliases, s.packed
+    s.views, s.aliases, s.packed = views, {}, batch
     try:
         out = _careful(skeleton, s)
     except LeafError as failure:
-        raise failure.within(batch, skeleton) from None  # the walk the batch is in names the path
+        raise failure.within(batch, skeleton, s.plan.skip) from None  # the walk the batch is in names the path
     finally:
-        s.views, s.aliases = outer
-    s.memo[id(batch)] = (batch, out)
-    return out
-
-
-def _unpack_skipping(s: State, batch: Any) -> Any:
-    """A packed batch moved with keys to skip: its tensors under those keys stay on the host.
-
-    The batch is unpacked on the host first (views of its buffer, no copy), then moved as any
-    structure is: the small tensors it should move packed again and sent in one copy.
-    """
-    host = unpack_to(batch, "cpu", non_blocking=False)
-    p = s.plan
-    outer = s.views, s.aliases
-    try:
-        taken = _layout.take(host, COALESCE_MAX_BYTES, p.dtype, skip=p.skip) if p.coalesce else None
-        if taken is not None and taken.tensors:
-            s.views, s.aliases = _send(s, _staged(taken, p), taken.layout), {}
-            host = taken.skeleton
-        out = _careful(host, s)
-    except LeafError as failure:
-        raise failure.within(batch, host) from None
-    finally:
-        s.views, s.aliases = outer
+        s.views, s.aliases, s.packed = outer
     s.memo[id(batch)] = (batch, out)
     return out
 

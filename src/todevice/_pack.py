@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _move, _walk
+from todevice import _layout, _move, _traced, _walk
 
 _needs_grad = operator.attrgetter("requires_grad")
 
@@ -50,9 +50,10 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _move.COA
 
     .. versionadded:: 0.1.0
     """
-    if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):  # not bool: True is an int
-        msg = f"Cannot pack with max_bytes={max_bytes!r}: expected an int >= 0, or None to pack every tensor."
-        raise (TypeError if type(max_bytes) is not int else ValueError)(msg)
+    if max_bytes is not None:
+        _move.check_max_bytes(max_bytes, "pack with max_bytes")
+    if _traced.compiling():  # nothing packed, every tensor loose: see _traced.unpack
+        return PackedBatch(torch.empty(0, dtype=torch.uint8), _traced.NOTHING_PACKED, obj, (), loose=1)
     try:
         taken = _layout.take(obj, max_bytes, None, grad=True)
     except _walk.LeafError as failure:
@@ -153,4 +154,6 @@ class PackedBatch:
         Returns:
             A structure equal to the one that was packed.
         """
+        if _traced.compiling():  # per-leaf copies, which the compiler schedules
+            return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
         return _move.unpack_to(self, "cpu" if device is None else device, non_blocking)

@@ -1,0 +1,338 @@
+"""move() under torch.compile: one plain walk that dynamo traces, with one ``t.to()`` per tensor.
+
+The eager move() plans per device, finds repeated tensors by data pointer, coalesces small tensors
+into one pinned buffer and waits for copies into host memory: host-side work that dynamo cannot
+trace (data pointers, locks, pinned memory, writes into a byte buffer through views of other
+dtypes), and that a compiled region does not need, since the compiler schedules the copies itself.
+So where dynamo would inline move(), it inlines ``compiled`` instead (``_move`` sets that up, at no
+cost to eager calls), and this walk copies each tensor with ``t.to(device, dtype, non_blocking=)``
+and rebuilds the containers as the eager walk rebuilds them.
+
+Traced into the graph: tensors, atoms, dict, OrderedDict, defaultdict, list, tuple, set,
+frozenset, deque, namedtuples, structseqs such as ``torch.return_types``, dataclasses, nn.Modules
+(kept), objects with ``.to()``, registered types (as far as their functions trace) and PackedBatch.
+Other containers (dict and list subclasses, other mappings, dataclasses with slots) and unknown
+objects go through ``_tree.kind_of``, whose first look at a type takes a lock: dynamo breaks the
+graph there (fullgraph=True raises), and the move runs as plain Python, which gives the eager
+result. So does a set of tensors, which dynamo does not take as an input.
+
+Where the result differs from the eager move, and why:
+
+- ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are ignored: the copies are the compiler's to
+  schedule, on the current stream, which is also what makes them safe to use there.
+- A copy into host memory or to MPS is blocking (see ``_non_blocking``).
+- The same tensor met twice is copied once, but distinct tensors over the same memory (tied
+  weights) are copied separately: a data pointer is not known while tracing.
+- Atoms come back equal, not always the very same objects: dynamo may hand back the constant it
+  traced with.
+- Dynamo (2.13) takes a deque in without its ``maxlen``: the copy has none.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import enum
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+
+from todevice import _layout, _tree, _walk
+
+_OrderedDict, _defaultdict, _deque = collections.OrderedDict, collections.defaultdict, collections.deque
+
+# Truthy while a torch.compile'd function runs: the callback dynamo hands each new frame to (None
+# outside, False where compiled code is only replayed). A frame dynamo gives up on runs as plain
+# Python with it still set, and each call that frame makes is compiled on its own: the eager move's
+# host-side steps fail that way (a pinned result, a fallback in an ``except`` that dynamo does not
+# take), so a move made there takes this walk too. One C call, about 15 ns, which the eager move
+# makes only off its bare-tensor path. Dynamo does not know it: it warns once and breaks the graph.
+in_compiled_region: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None)
+
+
+def compiling() -> bool:
+    """Whether this runs under torch.compile: traced by dynamo, or run as plain Python by a compiled function."""
+    return torch.compiler.is_dynamo_compiling() or bool(in_compiled_region())
+
+
+# Atomic values kept as they are (``_tree`` classifies the same ones; numpy scalars go through it).
+_ATOMS = (int, float, complex, str, bytes, enum.Enum, torch.Size, torch.dtype, torch.device, torch.layout)
+_ATOMS_EXACT = frozenset({type(None), range, slice, type(Ellipsis), torch.memory_format})
+
+
+def compiled(
+    obj: Any,
+    device: Any,
+    /,
+    *,
+    non_blocking: bool = True,
+    dtype: torch.dtype | None = None,
+    coalesce: bool | None = None,
+    coalesce_max_bytes: int | None = None,
+    stream: Any = None,
+    strict: bool = False,
+    skip_keys: str | Collection[str] | None = None,
+) -> Any:
+    """What dynamo traces in place of :func:`todevice.move`: its signature, and per-leaf copies.
+
+    ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are accepted and ignored (see the module's
+    docstring). A bad argument raises here; dynamo then runs the call as plain Python, where the
+    eager move's own checks raise with their full message. (A device string that torch does not
+    know fails while tracing, with torch's message.)
+    """
+    dev = _device(device)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
+        msg = f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only."
+        raise TypeError(msg)
+    skip = _skip_set(skip_keys)
+    h = _How(dev, _non_blocking(non_blocking, dev), dtype, skip, {})
+    out = _moved(obj, h)
+    if strict and h.unknown:
+        # The eager check, which lists every object not understood: it looks at each type through
+        # _tree, so the graph breaks here, and only for a structure that holds such an object.
+        _walk.refuse_unknown(obj, skip)
+    return out
+
+
+def _device(device: Any) -> torch.device:
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, (str, int)) and not isinstance(device, bool):
+        dev = torch.device(device)
+    else:
+        msg = f"Cannot move to device {device!r}: expected a str, an int or a torch.device."
+        raise TypeError(msg)
+    if dev.type == "cpu" and dev.index is not None:
+        return torch.device("cpu")  # "cpu:0" is "cpu", as tensors say
+    return dev
+
+
+def _non_blocking(non_blocking: bool, dev: torch.device) -> bool:
+    # Into host memory the eager move waits for its copies before returning; to MPS it copies
+    # asynchronously from pinned memory only (pytorch#83015): here both block, so results are safe.
+    return non_blocking and dev.type not in ("cpu", "mps")
+
+
+def _skip_set(skip_keys: str | Collection[str] | None) -> frozenset[str]:
+    if skip_keys is None:
+        return frozenset()
+    if isinstance(skip_keys, str):
+        return frozenset((skip_keys,))
+    keys = frozenset(skip_keys)
+    if not all(isinstance(k, str) for k in keys):
+        msg = f"Cannot skip keys {skip_keys!r}: skip_keys takes a str or a collection of str."
+        raise TypeError(msg)
+    return keys
+
+
+class _How:
+    """One traced move's options, and its memo: the copy of each tensor met, by id."""
+
+    __slots__ = ("aliases", "dev", "dtype", "held", "memo", "nb", "skip", "unknown", "views")
+
+    def __init__(
+        self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[str], memo: dict[int, Any]
+    ) -> None:
+        self.dev, self.nb, self.dtype, self.skip, self.memo = dev, nb, dtype, skip, memo
+        self.views: list[torch.Tensor] | None = None  # a packed batch's tensors, while its skeleton is walked
+        self.aliases: dict[int, torch.Tensor] | None = None  # the view each AliasSlot got, with ``views``
+        self.held: _How | None = None  # with ``views`` and keys to skip: how the skipped items are filled
+        self.unknown = False  # whether an object that strict=True refuses was met
+
+
+def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
+    cast = h.dtype if h.dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+    if t.device == h.dev and (cast is None or cast == t.dtype):
+        return t
+    out = h.memo.get(id(t))
+    if out is None:
+        out = h.memo[id(t)] = t.to(h.dev, cast, non_blocking=h.nb)
+    return out
+
+
+def _items(x: Any, h: _How) -> list[tuple[Any, Any]]:
+    skip = h.skip
+    return [(k, _kept(v, h) if k in skip else _moved(v, h)) for k, v in x.items()]
+
+
+def _kept(x: Any, h: _How) -> Any:
+    """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
+    return x if h.held is None else _moved(x, h.held)
+
+
+def _moved(x: Any, h: _How) -> Any:
+    tp = type(x)
+    if isinstance(x, torch.Tensor):
+        return _tensor(x, h)
+    if tp is dict:
+        return dict(_items(x, h))
+    if tp is list:
+        return [_moved(v, h) for v in x]
+    if tp is tuple:
+        return tuple([_moved(v, h) for v in x])
+    if tp is _tree.Slot or tp is _tree.AliasSlot:  # before the atoms: a slot is an int
+        return _slot(x, h)
+    if tp in _ATOMS_EXACT or isinstance(x, _ATOMS):
+        return x
+    if tp is _OrderedDict:
+        return _OrderedDict(_items(x, h))
+    if tp is _defaultdict:
+        return _defaultdict(x.default_factory, _items(x, h))
+    if tp is _deque:
+        return _deque([_moved(v, h) for v in x], maxlen=x.maxlen)
+    if tp is set:
+        return set([_moved(v, h) for v in x])
+    if tp is frozenset:
+        if any(isinstance(v, torch.Tensor) for v in x) and torch.compiler.is_dynamo_compiling():
+            # Dynamo (2.13) rebuilds a frozenset of tensors only in a frame that names frozenset
+            # itself, which the caller's may not: this one is compiled on its own instead.
+            torch._dynamo.graph_break()
+        return frozenset([_moved(v, h) for v in x])
+    # The order of _tree's rules: a registration wins, then modules, packed batches, .to() objects.
+    reg = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
+    if reg is not None:
+        return _node(x, reg, h)
+    if isinstance(x, torch.nn.Module):
+        h.unknown = True
+        return x  # its .to() moves in place: left as it is, as the eager move leaves it
+    if callable(getattr(tp, "_todevice_move_", None)):  # a PackedBatch
+        out = h.memo.get(id(x))
+        if out is None:
+            out = h.memo[id(x)] = _unpacked(x, h)
+        return out
+    if callable(getattr(tp, "to", None)):
+        return _to_object(x, h)
+    if isinstance(x, tuple) and hasattr(tp, "_fields"):  # a namedtuple
+        return tp._make([_moved(v, h) for v in x])
+    if isinstance(x, tuple) and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0):
+        return tp([_moved(v, h) for v in x])  # a structseq with no field beyond its items (torch.return_types)
+    if dataclasses.is_dataclass(x) and _plain_object(tp):
+        # Every instance attribute moved, fields or not, on a copy made without __init__, as the
+        # eager rule makes it; object.__setattr__ also writes the fields of a frozen dataclass.
+        out = object.__new__(tp)
+        for name, value in vars(x).items():
+            object.__setattr__(out, name, _moved(value, h))
+        return out
+    kind = _tree.kind_of(tp)
+    if kind.code == _tree.NODE:
+        return _node(x, kind, h)
+    if kind.code == _tree.UNKNOWN or kind.code == _tree.MODULE:
+        h.unknown = True
+    return x  # an unknown object or an atom: as it is
+
+
+def _plain_object(tp: type) -> bool:
+    """Whether ``object.__new__`` makes an empty ``tp`` whose attributes all live in its ``__dict__``."""
+    new: Any = tp.__new__
+    return new is object.__new__ and not hasattr(tp, "__slots__") and not issubclass(tp, (dict, list))
+
+
+def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
+    """A container by its ``_tree`` rule: flattened, its children moved (but the skipped items), rebuilt."""
+    children, aux = kind.flatten(x)  # type: ignore[misc]
+    if h.skip and kind.keys is not None:
+        skip = h.skip
+        done = [_kept(v, h) if k in skip else _moved(v, h) for k, v in zip(kind.keys(aux), children)]
+    else:
+        done = [_moved(v, h) for v in children]
+    return kind.unflatten(aux, done)  # type: ignore[misc]
+
+
+def _to_object(x: Any, h: _How) -> Any:
+    """An object with its own ``.to()``: moved by it, on a shallow copy, as the eager move does.
+
+    Several popular ones (a tokenizer's BatchEncoding, PyG's Data) move their contents in place and
+    return self, which would mutate the input; a PackedSequence's ``.to()`` makes a new one.
+    """
+    out = h.memo.get(id(x))
+    if out is not None:
+        return out
+    target: Any = x if isinstance(x, torch.nn.utils.rnn.PackedSequence) else copy.copy(x)
+    try:
+        out = target.to(h.dev, non_blocking=h.nb)
+    except TypeError:  # a .to() without non_blocking
+        out = target.to(h.dev)
+    h.memo[id(x)] = out
+    return out
+
+
+# ---------------------------------------------------------------- packed batches
+
+
+# What a batch packed under torch.compile holds: nothing in its buffer, every tensor in its skeleton.
+NOTHING_PACKED = _layout.Layout((), 0, (), ())
+
+
+def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
+    """``PackedBatch.unpack()`` under torch.compile: its tensors moved one by one.
+
+    A batch packed under torch.compile packed nothing: writing tensors of several dtypes into one
+    byte buffer is an input mutation that inductor refuses, and the copies are the compiler's to
+    schedule anyway. So its skeleton holds the tensors themselves. A batch packed outside is read
+    as views of its buffer, which fill its slots.
+    """
+    dev = _device(device)
+    return _unpacked(batch, _How(dev, _non_blocking(non_blocking, dev), None, frozenset(), {}))
+
+
+def _unpacked(batch: Any, h: _How) -> Any:
+    """A packed batch's structure, its slots filled with its tensors moved; those that required grad as
+    leaves that require grad, as the eager unpack gives them."""
+    lay = batch.layout
+    if not lay.order:
+        return _moved(batch.skeleton, h)
+    read = _read(batch.buffer, lay)
+    views = [_tensor(v, h) for v in read]
+    for k in batch.requires_grad:
+        views[k] = views[k].detach().requires_grad_()
+    held = None
+    if h.skip:  # the items to skip are filled where the buffer is, and nothing in them moves
+        held = _How(batch.buffer.device, False, None, frozenset(), {})
+        held.views, held.aliases = read, {}
+        for k in batch.requires_grad:
+            read[k] = read[k].detach().requires_grad_()
+    outer = h.views, h.aliases, h.held  # a packed batch inside another's skeleton fills its own slots
+    h.views, h.aliases, h.held = views, {}, held
+    out = _moved(batch.skeleton, h)
+    h.views, h.aliases, h.held = outer
+    return out
+
+
+def _read(buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
+    """The packed tensors, in walk order, as views of ``buffer`` (cast where the layout says)."""
+    views: list[torch.Tensor] = []
+    for g in lay.groups:
+        size = g.dtype.itemsize
+        typed = buffer.view(g.dtype)  # every group starts and ends on an ALIGN boundary
+        at = g.start // size
+        part: list[torch.Tensor] = []
+        if type(g) is _layout.Block:
+            n = g.shape.numel()
+            part = [typed[at + i * g.padded : at + i * g.padded + n].view(g.shape) for i in range(g.n)]
+        else:
+            assert type(g) is _layout.Ragged
+            for shape, pad in zip(g.shapes, g.pads):
+                n = shape.numel()
+                part.append(typed[at : at + n].view(shape))
+                at += n + pad
+        if g.final != g.dtype:
+            part = [v.to(g.final) for v in part]
+        views.extend(part)
+    return [views[i] for i in lay.order]
+
+
+def _slot(x: Any, h: _How) -> Any:
+    """A packed skeleton's hole: its tensor, or for an AliasSlot a new view of it, as the eager unpack fills it."""
+    views, aliases = h.views, h.aliases
+    if views is None or aliases is None:
+        msg = f"Cannot move {x!r}: a slot only means something inside a PackedBatch's skeleton."
+        raise TypeError(msg)
+    if type(x) is _tree.Slot:
+        return views[x]
+    hit = aliases.get(id(x))  # one AliasSlot met twice is one view
+    if hit is None:
+        view = views[x]
+        hit = aliases[id(x)] = view.view(view.shape)
+    return hit

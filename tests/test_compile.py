@@ -1,0 +1,312 @@
+"""move(), pack() and unpack() inside torch.compile: traced into one graph where dynamo can, equal to eager."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+import todevice
+from tests import helpers
+from todevice import _traced, _walk
+
+# CPU inductor compiles C++: its test skips where there is no compiler (the other backends need none).
+_inductor = pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")), reason="no C++ compiler for CPU inductor"
+)
+# Where dynamo breaks the graph on a C function (the check of whether a compiled function is
+# running, a dict subclass's dict.keys), it warns once; that break is what these tests exercise.
+_breaks = pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
+
+
+class Item(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    y: Any
+    n: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+    y: Any
+
+
+def structures() -> dict[str, Any]:
+    """Each holds two tensors or more, and tensors of several dtypes, so a cast is seen to skip integers."""
+    x, y, i = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.float16), torch.arange(3)
+    return {
+        "dict": {"x": x, "y": y, "ids": i, "name": "b0"},
+        "list": [x, y, i, 7],
+        "tuple": (x, (y, i), None),
+        "namedtuple": Item(x, "a"),
+        "namedtuples": [Item(x, "a"), Item(i, "b"), Item(y, "c")],
+        "dataclass": Batch(x, [y, i]),
+        "frozen-dataclass": Frozen(x, {"i": i, "y": y}),
+        "ordereddict": collections.OrderedDict([("b", x), ("a", i)]),
+        "defaultdict": collections.defaultdict(list, {"k": [x, y], "i": i}),
+        "deque": collections.deque([x, i]),  # no maxlen: dynamo (2.13) takes a deque in without it
+        "structseq": {"max": torch.max(x, 1), "i": i},
+        "nested": {"a": [x, {"b": (y, Item(i, "z"))}], "c": Batch(x, (i, 1.5)), "d": torch.float32},
+    }
+
+
+TARGETS = {"meta": ("meta", None), "cpu-float64": ("cpu", torch.float64)}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    """Each test compiles from nothing: no graph cached by another test decides what this one sees."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled(fn: Callable[..., Any], backend: str = "eager", fullgraph: bool = False) -> Callable[..., Any]:
+    return torch.compile(fn, backend=backend, fullgraph=fullgraph)
+
+
+def check(actual: Any, expected: Any) -> None:
+    """Same containers, tensors alike (values too, where they have any), atoms equal.
+
+    Equal, not the same objects: dynamo may hand back the constant it traced with, which equals the
+    one passed (its guards check that) but need not be it.
+    """
+    with_values = not any(isinstance(v, torch.Tensor) and v.is_meta for _, v in _walk.paths(expected))
+    helpers.assert_same_tree(actual, expected, values=with_values, same=False)
+
+
+# ---------------------------------------------------------------- one graph
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", structures())
+def test_fullgraph_move_matches_eager(name: str, target: str) -> None:
+    device, dtype = TARGETS[target]
+    obj = structures()[name]
+    out = compiled(lambda b: todevice.move(b, device, dtype=dtype), fullgraph=True)(obj)
+    check(out, todevice.move(obj, device, dtype=dtype))
+
+
+def test_fullgraph_move_is_one_graph_of_per_leaf_copies() -> None:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    obj = structures()["nested"]
+    torch.compile(lambda b: todevice.move(b, "meta"), backend=backend, fullgraph=True)(obj)
+    assert len(graphs) == 1
+    copies = [n for n in graphs[0].graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert len(copies) == 3  # x and i, each met twice and copied once, and y
+
+
+def test_aot_backend_and_inside_a_model() -> None:
+    model = torch.nn.Linear(3, 2, dtype=torch.float64)
+
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        moved = todevice.move(batch, "cpu", dtype=torch.float64)
+        out: torch.Tensor = model(moved["x"]).sum() + moved["ids"].sum()
+        return out
+
+    batch = {"x": torch.ones(4, 3), "ids": torch.arange(4)}
+    assert torch.equal(compiled(step, "aot_eager", fullgraph=True)(batch), step(batch))
+
+
+class Pair:
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
+
+
+class Carrier:
+    """An object with its own .to(), which moves its contents in place and returns itself."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any, non_blocking: bool = False) -> Carrier:
+        self.t = self.t.to(device, non_blocking=non_blocking)
+        return self
+
+
+def test_fullgraph_move_of_registered_types_to_objects_and_modules() -> None:
+    todevice.register(Pair, lambda p: ((p.a, p.b), None), lambda aux, ch: Pair(*ch))
+    try:
+        lengths = torch.tensor([3, 2])
+        seq = torch.nn.utils.rnn.pack_padded_sequence(torch.ones(3, 2, 4), lengths)
+        model, carried = torch.nn.Linear(2, 2), Carrier(torch.ones(2))
+        batch = {"pair": Pair(torch.ones(2), [torch.arange(2)]), "c": carried, "m": model, "seq": seq}
+        out = compiled(lambda b: todevice.move(b, "meta"), fullgraph=True)(batch)
+    finally:
+        todevice.unregister(Pair)
+    assert type(out["pair"]) is Pair and out["pair"].a.is_meta and out["pair"].b[0].is_meta
+    assert out["c"].t.is_meta and carried.t.device.type == "cpu"  # moved on a copy: the input is not mutated
+    assert out["m"] is model and model.weight.device.type == "cpu"
+    assert type(out["seq"]) is type(seq) and out["seq"].data.is_meta
+
+
+def test_a_tensor_in_place_comes_back_as_it_is_and_a_repeat_once() -> None:
+    x, y = torch.ones(2), torch.zeros(2, dtype=torch.float64)
+    out = compiled(lambda b: todevice.move(b, "cpu", dtype=torch.float64), fullgraph=True)({"x": x, "y": y, "z": [y]})
+    assert out["y"] is y and out["z"][0] is y
+    assert out["x"].dtype == torch.float64
+    same = compiled(lambda b: todevice.move(b, "meta"), fullgraph=True)({"a": x, "b": x})
+    assert same["a"] is same["b"]
+
+
+def test_skip_keys_leaves_the_entries_as_they_are() -> None:
+    lengths, inner = torch.tensor([3, 1]), torch.ones(2)
+    batch = {"x": torch.ones(2, 3), "lengths": lengths, "sub": [{"lengths": inner, "y": torch.zeros(1)}]}
+    out = compiled(lambda b: todevice.move(b, "meta", skip_keys="lengths"), fullgraph=True)(batch)
+    assert out["lengths"] is lengths and out["sub"][0]["lengths"] is inner
+    assert out["x"].is_meta and out["sub"][0]["y"].is_meta
+
+
+@_breaks
+def test_strict_traces_a_clean_batch_and_still_refuses_an_unknown_object() -> None:
+    batch = {"x": torch.ones(2), "n": 1}
+    out = compiled(lambda b: todevice.move(b, "meta", strict=True), fullgraph=True)(batch)
+    assert out["x"].is_meta
+    with pytest.raises(TypeError, match="strict=True"):
+        compiled(lambda b: todevice.move(b, "meta", strict=True))({"x": torch.ones(2), "o": object()})
+
+
+def test_coalescing_options_give_per_leaf_copies_under_compile() -> None:
+    obj = structures()["nested"]
+    out = compiled(lambda b: todevice.move(b, "meta", coalesce=True, coalesce_max_bytes=1 << 20), fullgraph=True)(obj)
+    check(out, todevice.move(obj, "meta"))
+
+
+def test_the_traced_function_takes_what_move_takes() -> None:
+    def shape(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+        return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+    assert shape(_traced.compiled) == shape(todevice.move)
+    assert todevice.move._torchdynamo_inline is _traced.compiled  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- graph breaks, and the default compile
+
+
+@_breaks
+@pytest.mark.parametrize("name", ["set", "frozenset", "dict-subclass", "slots-dataclass", "dict-of-objects"])
+def test_default_compile_of_what_breaks_the_graph_matches_eager(name: str) -> None:
+    """Untraced types break the graph; the move then runs as plain Python, per leaf, and still gives eager's
+    result. To the host with a cast: the eager move's pinned results there fail where dynamo compiles its frames."""
+    obj = helpers.corpus()[name]
+    out = compiled(lambda b: todevice.move(b, "cpu", dtype=torch.float64))(obj)
+    check(out, todevice.move(obj, "cpu", dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_default_compile_of_a_coalesced_move(backend: str) -> None:
+    obj = structures()["nested"]
+    out = compiled(lambda b: todevice.move(b, "meta", coalesce=True), backend)(obj)
+    check(out, todevice.move(obj, "meta", coalesce=True))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_default_compile_of_pack_then_unpack(backend: str) -> None:
+    obj = structures()["nested"]
+
+    def roundtrip(b: Any) -> tuple[Any, Any]:
+        return todevice.pack(b).unpack(), todevice.move(todevice.pack(b), "cpu", dtype=torch.float64)
+
+    back, moved = compiled(roundtrip, backend)(obj)
+    check(back, obj)
+    check(moved, todevice.move(obj, "cpu", dtype=torch.float64))
+
+
+def test_a_batch_packed_outside_unpacks_inside() -> None:
+    x = torch.arange(6.0).reshape(2, 3)
+    obj = {"a": x, "b": x + 1, "c": torch.arange(5), "d": Item(torch.ones(3, dtype=torch.float16), "z"), "e": x}
+    packed = todevice.pack(obj)
+    back = compiled(lambda p: p.unpack(), "aot_eager")(packed)
+    check(back, packed.unpack())
+    moved = compiled(lambda p: todevice.move(p, "meta", dtype=torch.float64), "aot_eager")(packed)
+    check(moved, todevice.move(packed, "meta", dtype=torch.float64))
+    assert moved["a"] is moved["e"]
+
+
+def test_skip_keys_in_a_batch_packed_outside() -> None:
+    batch = {"x": torch.ones(2, 3), "lengths": torch.tensor([3, 1]), "sub": [{"lengths": torch.ones(2)}]}
+    packed = todevice.pack(batch)
+    out = compiled(lambda p: todevice.move(p, "meta", skip_keys="lengths"), "aot_eager", fullgraph=True)(packed)
+    check(out, todevice.move(packed, "meta", skip_keys="lengths"))
+    assert torch.equal(out["lengths"], batch["lengths"]) and out["x"].is_meta  # filled, where the buffer is
+
+
+@_inductor
+# Importing inductor imports a deprecated torch.jit helper of its own.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_compiles_a_coalesced_move_and_pack_then_unpack() -> None:
+    obj = {"x": torch.arange(6.0).reshape(2, 3), "ids": torch.arange(3), "y": [torch.ones(2, dtype=torch.float16)]}
+
+    def step(b: Any) -> tuple[Any, Any]:
+        moved = todevice.move(b, "cpu", dtype=torch.float64, coalesce=True)
+        return moved, todevice.pack(moved).unpack()
+
+    moved, back = torch.compile(step)(obj)
+    expected = todevice.move(obj, "cpu", dtype=torch.float64)
+    check(moved, expected)
+    check(back, expected)
+
+
+FRESH = {
+    # Nothing cached (no plan, no classified type) when a compiled coalesced move is a process's first call.
+    "compiled-coalesced-move-first": """
+        import torch, todevice
+        batch = {"x": torch.ones(2, 3), "ids": torch.arange(4), "z": [torch.zeros(2)]}
+        out = torch.compile(lambda b: todevice.move(b, "meta", coalesce=True), backend="aot_eager")(batch)
+        assert out["x"].is_meta and out["ids"].dtype == torch.int64 and out["z"][0].shape == (2,)
+    """,
+    # The eager paths never reach for dynamo, whose import alone takes about a second.
+    "eager-never-imports-dynamo": """
+        import sys, torch, todevice
+        todevice.move({"a": torch.ones(2)}, "meta", coalesce=True)
+        todevice.move([torch.ones(2)], "cpu")
+        todevice.move(torch.ones(2), "cpu")
+        todevice.pack({"a": torch.ones(2)}).unpack()
+        assert "torch._dynamo" not in sys.modules, "an eager call imported dynamo"
+    """,
+}
+
+
+@pytest.mark.parametrize("script", FRESH)
+def test_in_a_fresh_process(script: str) -> None:
+    code = textwrap.dedent(FRESH[script]) + "print('ok')\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------- the traced walk, run as plain Python
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", helpers.corpus())
+def test_the_traced_walk_gives_what_the_eager_move_gives(name: str, target: str) -> None:
+    """Run as plain Python (which is what a graph break runs), on every edge case of the corpus."""
+    device, dtype = TARGETS[target]
+    obj = helpers.corpus()[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the corpus's complex tensor, cast to float64, warns alike
+        out = _traced.compiled(obj, device, dtype=dtype)
+        expected = todevice.move(obj, device, dtype=dtype, coalesce=False)
+    helpers.assert_same_tree(out, expected, values=device != "meta")
