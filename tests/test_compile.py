@@ -161,6 +161,81 @@ def test_fullgraph_move_of_registered_types_to_objects_and_modules() -> None:
     assert type(out["seq"]) is type(seq) and out["seq"].data.is_meta
 
 
+class ReturnsNone:
+    """A .to() that moves its contents in place and returns nothing."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any, non_blocking: bool = False) -> None:
+        self.t = self.t.to(device)
+
+
+class Uncopyable(ReturnsNone):
+    def __copy__(self) -> Uncopyable:
+        raise TypeError("cannot be copied")
+
+    def to(self, device: Any, non_blocking: bool = False) -> Uncopyable:  # type: ignore[override]
+        return Uncopyable(self.t.to(device))
+
+
+class NoNonBlocking(ReturnsNone):
+    def to(self, device: Any) -> NoNonBlocking:  # type: ignore[override]
+        return NoNonBlocking(self.t.to(device))
+
+
+@pytest.mark.parametrize("cls", [ReturnsNone, Uncopyable, NoNonBlocking])
+def test_fullgraph_move_of_to_objects_as_the_eager_move_calls_them(cls: type[ReturnsNone]) -> None:
+    obj = cls(torch.ones(2))
+    out = compiled(lambda b: todevice.move(b, "meta"), fullgraph=True)({"o": obj})
+    assert type(out["o"]) is cls and out["o"].t.is_meta
+    assert obj.t.device.type == "cpu" or cls is Uncopyable  # moved on a copy where it can be copied
+
+
+class Plain:
+    pass
+
+
+def test_fullgraph_move_keeps_other_leaves_as_they_are() -> None:
+    import datetime
+    import pathlib
+
+    leaves: dict[str, Any] = {
+        "path": pathlib.Path("/data"),
+        "date": datetime.date(2020, 1, 2),
+        "plain": Plain(),
+        "function": len,
+        "class": Plain,
+    }
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        leaves.update(scalar=numpy.float32(1.5), array=numpy.ones(2))
+    out = compiled(lambda b: todevice.move(b, "meta"), fullgraph=True)({"x": torch.ones(1), **leaves})
+    assert out["x"].is_meta
+    for k, v in leaves.items():
+        assert out[k] is v, k
+
+
+class Tagged(int):
+    """A registered subclass of an atomic type: a container, by its registration."""
+
+    t: torch.Tensor
+
+
+def test_fullgraph_move_of_a_registered_subclass_of_int() -> None:
+    def make(n: int, t: torch.Tensor) -> Tagged:
+        out = Tagged(n)
+        out.t = t
+        return out
+
+    todevice.register(Tagged, lambda c: ([c.t], int(c)), lambda aux, ch: make(aux, ch[0]))
+    try:
+        out = compiled(lambda b: todevice.move(b, "meta"), fullgraph=True)({"c": make(3, torch.ones(2))})
+    finally:
+        todevice.unregister(Tagged)
+    assert type(out["c"]) is Tagged and out["c"] == 3 and out["c"].t.is_meta
+
+
 def test_a_tensor_in_place_comes_back_as_it_is_and_a_repeat_once() -> None:
     x, y = torch.ones(2), torch.zeros(2, dtype=torch.float64)
     out = compiled(lambda b: todevice.move(b, "cpu", dtype=torch.float64), fullgraph=True)({"x": x, "y": y, "z": [y]})
@@ -231,6 +306,16 @@ def test_default_compile_of_pack_then_unpack(backend: str) -> None:
     back, moved = compiled(roundtrip, backend)(obj)
     check(back, obj)
     check(moved, todevice.move(obj, "cpu", dtype=torch.float64))
+
+
+def test_pack_then_unpack_under_compile_gives_copies() -> None:
+    x, g = torch.zeros(2), torch.ones(2, requires_grad=True)
+    # Not fullgraph: dynamo (2.13) breaks the graph to return a tensor made a leaf there.
+    back = compiled(lambda b: todevice.pack(b).unpack())({"x": x, "g": g, "again": x})
+    assert back["x"] is not x and back["again"] is back["x"]
+    back["x"].add_(1)
+    assert x.tolist() == [0.0, 0.0]  # the input is not touched, as with the eager unpack
+    assert back["g"] is not g and back["g"].requires_grad and back["g"].is_leaf
 
 
 def test_a_batch_packed_outside_unpacks_inside() -> None:

@@ -25,6 +25,10 @@ from todevice.testing import FrozenMapping, Pair, Record, TaggedDict, TaggedList
 META = torch.device("meta")
 
 
+class Sub(torch.Tensor):
+    """A tensor subclass, which a move keeps."""
+
+
 def recursive_to_device(data: Any, device: Any) -> Any:
     """The helper every training loop carries."""
     if isinstance(data, torch.Tensor):
@@ -342,6 +346,31 @@ def _wrong_cases() -> dict[str, tuple[Any, Callable[[Any], Any], str]]:
             "At .data['k']: expected a tensor on meta",
         ),
         "set-element": ({t, 1}, lambda o: {t, 1}, "At {"),
+        "spurious-aliasing": (
+            {"a": t, "b": t.clone()},
+            lambda o: first(o, b=o["a"]),
+            "At ['b']: expected a tensor of its own, got the very tensor found at ['a']",
+        ),
+        "spurious-shared-memory": (
+            {"a": t, "b": t + 1},
+            lambda o: first(o, b=o["a"].view(2, 3)),
+            "At ['b']: expected a tensor with memory of its own, got one over memory of the tensor at ['a']",
+        ),
+        "subclass-lost": (
+            {"s": t.as_subclass(Sub)},
+            lambda o: {"s": o["s"].as_subclass(torch.Tensor)},
+            "At ['s']: expected a Sub, as the source is; got Tensor",
+        ),
+        "packed-batch-structure": (
+            {"p": todevice.pack({"x": t, "n": 1})},
+            lambda o: {"p": {"x": o["p"]["x"]}},
+            "At ['p']: expected the keys ['x'], ['n']",
+        ),
+        "packed-batch-tensor": (
+            {"p": todevice.pack({"x": t})},
+            lambda o: {"p": {"x": o["p"]["x"][:1]}},
+            "At ['p']['x']: expected a tensor of shape (2, 3)",
+        ),
         "in-place": (
             {"x": [t]},
             lambda o: None,  # replaced below: the source itself, moved in place
@@ -381,9 +410,61 @@ def test_set_elements_that_look_alike_are_told_apart_by_where_else_they_are() ->
 
 def test_values_are_compared_where_they_can_be_read() -> None:
     source = {"x": torch.arange(3.0)}
-    assert_moved({"x": torch.arange(3.0)}, source, "cpu")
+    assert_moved({"x": torch.arange(3.0, dtype=torch.float64)}, source, "cpu", dtype=torch.float64)
     with pytest.raises(AssertionError, match=re.escape("At ['x']: expected the source's values")):
-        assert_moved({"x": torch.arange(3.0) + 1}, source, "cpu")
+        assert_moved({"x": torch.arange(3.0, dtype=torch.float64) + 1}, source, "cpu", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_a_move_to_cpu_0_passes(device: Any) -> None:
+    """CPU tensors report no index: a move to cpu:0 lands on cpu."""
+    x = torch.ones(2)
+    assert_moved(todevice.move(x, device), x, device)
+    assert_moved(todevice.move({"a": x}, device), {"a": x}, device)
+    assert_moved(todevice.move({"a": x}, device, dtype=torch.float64), {"a": x}, device, dtype=torch.float64)
+
+
+def test_a_tensor_already_there_with_nothing_to_cast_comes_back_as_itself() -> None:
+    x, n = torch.ones(2), torch.arange(2)
+    assert_moved(todevice.move({"a": x, "n": n}, "cpu"), {"a": x, "n": n}, "cpu")
+    with pytest.raises(AssertionError, match=re.escape("At ['a']: expected the source's own tensor")):
+        assert_moved({"a": x.clone()}, {"a": x}, "cpu")
+    with pytest.raises(AssertionError, match=re.escape("At ['n']: expected the source's own tensor")):
+        assert_moved({"n": n.clone()}, {"n": n}, "cpu", dtype=torch.float64)  # integers are not cast
+    assert_moved({"a": x.double()}, {"a": x}, "cpu", dtype=torch.float64)  # a cast makes a new one
+    m = torch.ones(2, device="meta")
+    with pytest.raises(AssertionError, match=re.escape("At the top level: expected the source's own tensor")):
+        assert_moved(m.clone(), m, "meta")
+
+
+def test_a_parameter_may_come_back_a_plain_tensor_as_to_gives_it() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    assert type(todevice.move(p, "meta")) is torch.Tensor
+    assert_moved(todevice.move({"p": p}, "meta"), {"p": p}, "meta")
+    s = {"s": torch.ones(2).as_subclass(Sub)}
+    assert_moved(todevice.move(s, "meta"), s, "meta")
+
+
+def test_tied_sources_may_come_back_as_one_tensor() -> None:
+    t = torch.ones(2, 3)
+    tied = [t.detach(), t.detach().view(2, 3)]
+    out = todevice.move(tied, "meta")
+    assert_moved([out[0], out[0]], tied, "meta")
+    assert_moved(out, tied, "meta")
+
+
+def test_skip_keys_items_must_be_the_very_same_objects() -> None:
+    b = {"x": torch.ones(2), "lengths": torch.tensor([1]), "more": [{"lengths": [torch.ones(1)]}]}
+    assert_moved(todevice.move(b, "meta", skip_keys="lengths"), b, "meta", skip_keys="lengths")
+    assert_moved(todevice.move(b, "meta", skip_keys=["lengths", "x"]), b, "meta", skip_keys=("lengths", "x"))
+    with pytest.raises(AssertionError, match=re.escape("At ['lengths']: expected the very same object")):
+        assert_moved(todevice.move(b, "meta"), b, "meta", skip_keys="lengths")
+    with pytest.raises(AssertionError, match=re.escape("At ['lengths']: expected a tensor on meta")):
+        assert_moved(todevice.move(b, "meta", skip_keys="lengths"), b, "meta")
+    with pytest.raises(TypeError, match="skip_keys"):
+        assert_moved(b, b, "meta", skip_keys=3)  # type: ignore[arg-type]
+    packed = {"p": todevice.pack(b)}  # a packed batch fills skipped items from its own buffer
+    assert_moved(todevice.move(packed, "meta", skip_keys="lengths"), packed, "meta", skip_keys="lengths")
 
 
 # ---------------------------------------------------------------- compare()
@@ -412,7 +493,7 @@ def test_compare_shrinks_each_example(helper_report: tt.Report) -> None:
     by_kind = {m.kind: m for m in helper_report.mismatches}
     assert type(by_kind["namedtuple"].example) is Pair
     assert by_kind["aliasing"].example[0] is by_kind["aliasing"].example[1]
-    assert len(by_kind["OrderedDict"].example) == 0  # the type alone is wrong: an empty one shows it
+    assert len(by_kind["OrderedDict"].example) == 1  # the type alone is wrong: one tensor shows it
     text = str(helper_report)
     assert text.startswith("recursive_to_device differs from todevice.move() on 13 of 16 kinds")
     assert "- namedtuple, for example Pair(" in text
@@ -443,7 +524,7 @@ def test_compare_reports_a_helper_that_changes_its_input() -> None:
 
     (m,) = compare(in_place, containers=["dict"], aliasing=False).mismatches
     assert m.kind == "dict"
-    assert m.message is not None and "in_place changed its input" in m.message, m
+    assert m.message is not None and "changed its input" in m.message, m
     found: list[torch.Tensor] = [v for v in m.example.values() if isinstance(v, torch.Tensor)]
     assert found and all(t.device.type == "cpu" for t in found)  # the example as it was, not as left
 
@@ -456,7 +537,10 @@ def test_compare_reports_a_helper_that_raises() -> None:
 
     report = compare(no_tuples, containers=["tuple", "list"], aliasing=False)
     (m,) = report.mismatches
-    assert (m.kind, m.example, m.message) == ("tuple", (), "no_tuples raised TypeError: tuples are not supported")
+    assert (m.kind, m.message) == ("tuple", "raised TypeError: tuples are not supported")
+    assert type(m.example) is tuple and len(m.example) == 1  # the kind at the top, holding a tensor
+    assert "    no_tuples: raised TypeError: tuples are not supported" in str(report)
+    assert "- tuple, for example (tensor(0.),)" in str(report)
 
 
 def test_compare_reports_where_move_itself_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -480,3 +564,51 @@ def test_compare_gives_the_same_report_every_run() -> None:
     first = compare(recursive_to_device, containers=["namedtuple", "set"], aliasing=False)
     again = compare(recursive_to_device, containers=["namedtuple", "set"], aliasing=False)
     assert str(first) == str(again)
+
+
+def _detach(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    if type(x) in (list, tuple):
+        return type(x)(_detach(v) for v in x)
+    return x
+
+
+def test_compare_pins_each_mismatch_on_its_kind() -> None:
+    def bare_tensors_detached(data: Any, device: Any) -> Any:
+        """Wrong on bare tensors only: containers are moved by todevice."""
+        return data.detach().to(device) if isinstance(data, torch.Tensor) else todevice.move(data, device)
+
+    report = compare(bare_tensors_detached, containers=["dict", "list", "namedtuple"], aliasing=False)
+    assert [m.kind for m in report.mismatches] == ["tensors"], report
+
+    def lists_detached(data: Any, device: Any) -> Any:
+        """Moves everything right, then detaches the tensors of lists and tuples: found at the default size."""
+        return _detach(todevice.move(data, device))
+
+    report = compare(lists_detached, containers=["list", "tuple", "namedtuple", "dict"], aliasing=False)
+    assert [m.kind for m in report.mismatches] == ["tensors", "list", "tuple"], report
+
+
+def test_compare_reports_a_change_in_place_the_same_way_every_run() -> None:
+    def writes_values(data: Any, device: Any) -> Any:
+        out = todevice.move(data, device)
+        if isinstance(data, torch.Tensor) and data.is_floating_point() and data.numel() and not data.requires_grad:
+            data.add_(1)
+        return out
+
+    first = compare(writes_values, containers=[], aliasing=False)
+    (m,) = first.mismatches
+    assert m.message == (
+        "At the top level: changed its input: the values of the Tensor of shape (), torch.float32, on cpu there "
+        "were written in place. A move must leave its input as it was."
+    )
+    assert str(first) == str(compare(writes_values, containers=[], aliasing=False))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_compare_refuses_a_device_not_here_up_front() -> None:
+    calls: list[Any] = []
+    with pytest.raises(ValueError, match="cuda"):
+        compare(lambda b, d: calls.append(b), device="cuda")
+    assert not calls

@@ -10,10 +10,11 @@ and rebuilds the containers as the eager walk rebuilds them.
 
 Traced into the graph: tensors, atoms, dict, OrderedDict, defaultdict, list, tuple, set,
 frozenset, deque, namedtuples, structseqs such as ``torch.return_types``, dataclasses, nn.Modules
-(kept), objects with ``.to()``, registered types (as far as their functions trace) and PackedBatch.
-Other containers (dict and list subclasses, other mappings, dataclasses with slots) and unknown
-objects go through ``_tree.kind_of``, whose first look at a type takes a lock: dynamo breaks the
-graph there (fullgraph=True raises), and the move runs as plain Python, which gives the eager
+(kept), objects with ``.to()``, registered types (as far as their functions trace), PackedBatch, and
+other leaves kept as they are (numpy values, paths, dates, functions, classes, plain objects): how
+to take a type ``_rule`` decides outside the graph. Other containers (dict and list subclasses,
+other mappings, dataclasses with slots) go through ``_tree``'s flatten under its lock: dynamo breaks
+the graph there (fullgraph=True raises), and the move runs as plain Python, which gives the eager
 result. So does a set of tensors, which dynamo does not take as an input.
 
 Where the result differs from the eager move, and why:
@@ -34,6 +35,8 @@ import collections
 import copy
 import dataclasses
 import enum
+import functools
+import inspect
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -130,7 +133,7 @@ def _skip_set(skip_keys: str | Collection[str] | None) -> frozenset[str]:
 class _How:
     """One traced move's options, and its memo: the copy of each tensor met, by id."""
 
-    __slots__ = ("aliases", "dev", "dtype", "held", "memo", "nb", "skip", "unknown", "views")
+    __slots__ = ("aliases", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views")
 
     def __init__(
         self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[str], memo: dict[int, Any]
@@ -140,15 +143,22 @@ class _How:
         self.aliases: dict[int, torch.Tensor] | None = None  # the view each AliasSlot got, with ``views``
         self.held: _How | None = None  # with ``views`` and keys to skip: how the skipped items are filled
         self.unknown = False  # whether an object that strict=True refuses was met
+        self.fresh = False  # in a batch packed under torch.compile: every tensor copied, as if read from a buffer
 
 
 def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
     cast = h.dtype if h.dtype is not None and (t.is_floating_point() or t.is_complex()) else None
-    if t.device == h.dev and (cast is None or cast == t.dtype):
+    if t.device == h.dev and (cast is None or cast == t.dtype) and not h.fresh:
         return t
     out = h.memo.get(id(t))
     if out is None:
-        out = h.memo[id(t)] = t.to(h.dev, cast, non_blocking=h.nb)
+        if h.fresh:  # a copy, never the packed tensor itself; one that required grad, a new leaf
+            out = t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True)
+            if t.requires_grad:
+                out.requires_grad_()
+        else:
+            out = t.to(h.dev, cast, non_blocking=h.nb)
+        h.memo[id(t)] = out
     return out
 
 
@@ -174,6 +184,10 @@ def _moved(x: Any, h: _How) -> Any:
         return tuple([_moved(v, h) for v in x])
     if tp is _tree.Slot or tp is _tree.AliasSlot:  # before the atoms: a slot is an int
         return _slot(x, h)
+    # A registration wins, as in _tree's rules (a registered subclass of int is a container).
+    reg = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
+    if reg is not None:
+        return _node(x, reg, h)
     if tp in _ATOMS_EXACT or isinstance(x, _ATOMS):
         return x
     if tp is _OrderedDict:
@@ -190,43 +204,83 @@ def _moved(x: Any, h: _How) -> Any:
             # itself, which the caller's may not: this one is compiled on its own instead.
             torch._dynamo.graph_break()
         return frozenset([_moved(v, h) for v in x])
-    # The order of _tree's rules: a registration wins, then modules, packed batches, .to() objects.
-    reg = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
-    if reg is not None:
-        return _node(x, reg, h)
-    if isinstance(x, torch.nn.Module):
-        h.unknown = True
-        return x  # its .to() moves in place: left as it is, as the eager move leaves it
-    if callable(getattr(tp, "_todevice_move_", None)):  # a PackedBatch
+    rule = _rule(tp)
+    if rule == _KEEP:
+        return x
+    if rule in (_TO, _TO_NB):
+        return _to_object(x, h, rule == _TO_NB)
+    if rule == _PACKED:
         out = h.memo.get(id(x))
         if out is None:
             out = h.memo[id(x)] = _unpacked(x, h)
         return out
-    if callable(getattr(tp, "to", None)):
-        return _to_object(x, h)
-    if isinstance(x, tuple) and hasattr(tp, "_fields"):  # a namedtuple
+    if rule == _NAMEDTUPLE:
         return tp._make([_moved(v, h) for v in x])
-    if isinstance(x, tuple) and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0):
-        return tp([_moved(v, h) for v in x])  # a structseq with no field beyond its items (torch.return_types)
-    if dataclasses.is_dataclass(x) and _plain_object(tp):
+    if rule == _STRUCTSEQ:
+        return tp([_moved(v, h) for v in x])
+    if rule == _DATACLASS:
         # Every instance attribute moved, fields or not, on a copy made without __init__, as the
         # eager rule makes it; object.__setattr__ also writes the fields of a frozen dataclass.
         out = object.__new__(tp)
         for name, value in vars(x).items():
             object.__setattr__(out, name, _moved(value, h))
         return out
+    if rule == _NODE:  # kind_of takes a lock: dynamo breaks the graph, and the rest runs as plain Python
+        return _node(x, _tree.kind_of(tp), h)
+    h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
+    return x
+
+
+# How _moved takes an object of a type it does not test for itself: what ``_rule`` says.
+_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _NAMEDTUPLE, _STRUCTSEQ, _DATACLASS, _NODE = range(9)
+
+
+def _rule(tp: type) -> int:
+    """``_moved``'s rule for ``tp``, in the order of _tree's rules (the registry was read before).
+
+    Dynamo runs it while tracing and puts its result in the graph as a constant (the mark below is
+    what ``torch.compiler.assume_constant_result`` sets, without importing dynamo here): the
+    ``hasattr``, signature and ``kind_of`` calls it makes are not traced, so an unknown leaf, a numpy
+    value or a path does not break the graph. It guards on ``type(x)``, which passes in as a class.
+    """
     kind = _tree.kind_of(tp)
-    if kind.code == _tree.NODE:
-        return _node(x, kind, h)
-    if kind.code == _tree.UNKNOWN or kind.code == _tree.MODULE:
-        h.unknown = True
-    return x  # an unknown object or an atom: as it is
+    code = kind.code
+    if code == _tree.ATOM:
+        return _KEEP
+    if code == _tree.MODULE:
+        return _UNKNOWN
+    if code == _tree.OWN:  # a PackedBatch
+        return _PACKED
+    if code == _tree.TO:
+        return _TO_NB if _accepts_non_blocking(tp) else _TO
+    if code == _tree.NODE:
+        if issubclass(tp, tuple) and hasattr(tp, "_fields"):
+            return _NAMEDTUPLE
+        if issubclass(tp, tuple) and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0):
+            return _STRUCTSEQ  # a structseq with no field beyond its items (torch.return_types)
+        if dataclasses.is_dataclass(tp) and _plain_object(tp):
+            return _DATACLASS
+        return _NODE
+    return _UNKNOWN
+
+
+_rule._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _plain_object(tp: type) -> bool:
     """Whether ``object.__new__`` makes an empty ``tp`` whose attributes all live in its ``__dict__``."""
     new: Any = tp.__new__
     return new is object.__new__ and not hasattr(tp, "__slots__") and not issubclass(tp, (dict, list))
+
+
+@functools.lru_cache(maxsize=1024)
+def _accepts_non_blocking(tp: type) -> bool:
+    """Whether ``tp.to`` takes ``non_blocking``: ``_move``'s check, which this module cannot import."""
+    try:
+        params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # no signature (a C method): try it
+        return True
+    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
@@ -240,20 +294,25 @@ def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
     return kind.unflatten(aux, done)  # type: ignore[misc]
 
 
-def _to_object(x: Any, h: _How) -> Any:
+def _to_object(x: Any, h: _How, non_blocking: bool) -> Any:
     """An object with its own ``.to()``: moved by it, on a shallow copy, as the eager move does.
 
     Several popular ones (a tokenizer's BatchEncoding, PyG's Data) move their contents in place and
-    return self, which would mutate the input; a PackedSequence's ``.to()`` makes a new one.
+    return self, which would mutate the input; a PackedSequence's ``.to()`` makes a new one. One that
+    cannot be copied is moved by its own ``.to()``; one whose ``.to()`` returns None, the copy it moved.
     """
     out = h.memo.get(id(x))
     if out is not None:
         return out
-    target: Any = x if isinstance(x, torch.nn.utils.rnn.PackedSequence) else copy.copy(x)
-    try:
-        out = target.to(h.dev, non_blocking=h.nb)
-    except TypeError:  # a .to() without non_blocking
-        out = target.to(h.dev)
+    target: Any = x
+    if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
+        try:
+            target = copy.copy(x)
+        except Exception:  # not copyable: its own .to() is all there is, as in the eager move
+            target = x
+    out = target.to(h.dev, non_blocking=h.nb) if non_blocking else target.to(h.dev)
+    if out is None:  # a .to() that moves the object in place and returns nothing
+        out = target
     h.memo[id(x)] = out
     return out
 
@@ -270,8 +329,9 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
 
     A batch packed under torch.compile packed nothing: writing tensors of several dtypes into one
     byte buffer is an input mutation that inductor refuses, and the copies are the compiler's to
-    schedule anyway. So its skeleton holds the tensors themselves. A batch packed outside is read
-    as views of its buffer, which fill its slots.
+    schedule anyway. So its skeleton holds the tensors themselves, and unpacking copies each (those
+    that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch
+    packed outside is read as views of its buffer, which fill its slots.
     """
     dev = _device(device)
     return _unpacked(batch, _How(dev, _non_blocking(non_blocking, dev), None, frozenset(), {}))
@@ -282,7 +342,13 @@ def _unpacked(batch: Any, h: _How) -> Any:
     leaves that require grad, as the eager unpack gives them."""
     lay = batch.layout
     if not lay.order:
-        return _moved(batch.skeleton, h)
+        # Packed under torch.compile, its tensors are those of the structure packed; the eager unpack
+        # gives copies (read from the buffer), which this one gives too. Packed outside with every
+        # tensor left loose, they come back as they are, as the eager unpack gives them.
+        fresh, h.fresh = h.fresh, lay is NOTHING_PACKED
+        out = _moved(batch.skeleton, h)
+        h.fresh = fresh
+        return out
     read = _read(batch.buffer, lay)
     views = [_tensor(v, h) for v in read]
     for k in batch.requires_grad:
@@ -293,10 +359,10 @@ def _unpacked(batch: Any, h: _How) -> Any:
         held.views, held.aliases = read, {}
         for k in batch.requires_grad:
             read[k] = read[k].detach().requires_grad_()
-    outer = h.views, h.aliases, h.held  # a packed batch inside another's skeleton fills its own slots
-    h.views, h.aliases, h.held = views, {}, held
+    outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
+    h.views, h.aliases, h.held, h.fresh = views, {}, held, False
     out = _moved(batch.skeleton, h)
-    h.views, h.aliases, h.held = outer
+    h.views, h.aliases, h.held, h.fresh = outer
     return out
 
 

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import collections
 import collections.abc
 import copy
@@ -36,7 +37,7 @@ import functools
 import reprlib
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -475,6 +476,23 @@ _ALIASES: st.SearchStrategy[Any] = st.one_of(
 )
 
 
+def _holds_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    parts = _parts(x)
+    return parts is not None and any(_holds_tensor(child) for child in parts.children)
+
+
+def _rooted(kind: str) -> st.SearchStrategy[Any]:
+    """compare()'s search for one kind: batches with that kind at the top, holding at least one tensor.
+
+    So a helper wrong on other kinds, or on bare tensors, shows under those kinds alone.
+    """
+    nested = batches(containers=(kind,), aliasing=False, max_leaves=6)
+    leaves = batches(containers=(), aliasing=False)
+    return st.one_of(*_container_strategies((kind,), nested, leaves)).filter(_holds_tensor)
+
+
 # ---------------------------------------------------------------- walking a structure
 
 _ATOMIC_EXACT = frozenset(
@@ -490,6 +508,7 @@ class _Parts(NamedTuple):
     what: str  # "keys", "items", "fields", "elements": how a message names the entries
     entries: list[str]
     children: list[Any]
+    keys: list[Any] | None = None  # a mapping's key of each child (_UNSET for an attribute), for skip_keys
 
 
 def _is_atom(tp: type) -> bool:
@@ -500,7 +519,7 @@ def _is_atom(tp: type) -> bool:
 
 
 def _keyed(keys: list[Any], values: list[Any]) -> _Parts:
-    return _Parts("keys", [f"[{k!r}]" for k in keys], values)
+    return _Parts("keys", [f"[{k!r}]" for k in keys], values, keys)
 
 
 def _get(x: Any, name: str) -> Any:
@@ -533,16 +552,19 @@ def _object(x: Any) -> _Parts:
             continue
         names.append(f".{name}")
         children.append(value)
+    keys: list[Any] = [_UNSET] * len(names)
     if isinstance(x, dict):
         keys_of: Any = collections.OrderedDict.keys if isinstance(x, collections.OrderedDict) else dict.keys
-        keys = list(keys_of(x))  # an OrderedDict's own order, which dict.keys() misses after move_to_end()
-        names += [f"[{k!r}]" for k in keys]
-        children += [dict.__getitem__(x, k) for k in keys]
+        items = list(keys_of(x))  # an OrderedDict's own order, which dict.keys() misses after move_to_end()
+        names += [f"[{k!r}]" for k in items]
+        children += [dict.__getitem__(x, k) for k in items]
+        keys += items
     elif isinstance(x, list):
-        items = list(list.__iter__(x))
-        names += [f"[{i}]" for i in range(len(items))]
-        children += items
-    return _Parts("entries", names, children)
+        values = list(list.__iter__(x))
+        names += [f"[{i}]" for i in range(len(values))]
+        children += values
+        keys += [_UNSET] * len(values)
+    return _Parts("entries", names, children, keys)
 
 
 def _structseq(x: Any) -> _Parts:
@@ -633,7 +655,59 @@ def _target(device: Any) -> torch.device:
             msg = f"Cannot read device {device!r}: an int is an accelerator's index, and there is no accelerator here."
             raise ValueError(msg)
         return torch.device(accelerator.type, device)
-    return torch.device(device)
+    target = torch.device(device)
+    return torch.device("cpu") if target.type == "cpu" else target  # CPU tensors report no index: cpu:0 is cpu
+
+
+def _resolved(target: torch.device) -> torch.device:
+    """Where a tensor moved to ``target`` lands: an accelerator without an index means the current one."""
+    index: int | None = target.index  # None where no index was given (typeshed says int)
+    if index is not None or target.type in ("cpu", "meta"):
+        return target
+    try:
+        return torch.empty(0, device=target).device
+    except Exception:  # no such device here: no tensor can be on it already
+        return target
+
+
+def _span(t: torch.Tensor) -> tuple[Any, int, int] | None:
+    """The bytes a strided tensor can read: (memory space, start, end); None where it reads none or cannot tell."""
+    try:
+        if t.layout is not torch.strided or not t.numel():
+            return None
+        size = t.element_size()
+        extent = (1 + sum(int(n - 1) * abs(int(step)) for n, step in zip(t.shape, t.stride()))) * size
+        if t.device.type == "meta":  # no data pointer, but a storage of its own
+            start = int(t.storage_offset()) * size
+            return ("meta", t.untyped_storage()._cdata), start, start + extent
+        start = t.data_ptr()
+        return (t.device,), start, start + extent
+    except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses, nested tensors
+        return None
+
+
+def _overlap(a: tuple[Any, int, int] | None, b: tuple[Any, int, int] | None) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _loses_type(tp: type) -> bool:
+    """Whether ``.to()`` gives a plain tensor for this subclass, as it does for ``nn.Parameter``."""
+    return getattr(tp, "__torch_function__", None) is torch._C._disabled_torch_function_impl
+
+
+def _skip_set(skip_keys: Any) -> frozenset[str]:
+    if skip_keys is None:
+        return frozenset()
+    if isinstance(skip_keys, str):
+        return frozenset((skip_keys,))
+    try:
+        keys = frozenset(skip_keys)
+    except TypeError:
+        keys = None
+    if keys is None or not all(isinstance(k, str) for k in keys):
+        msg = f"Expected skip_keys= to be a str or a collection of str, as move() takes it, got {skip_keys!r}."
+        raise TypeError(msg)
+    return keys
 
 
 def _on(actual: torch.device, target: torch.device) -> bool:
@@ -673,19 +747,31 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Checker:
     """One assert_moved() call: what each source tensor became, and where."""
 
-    def __init__(self, target: torch.device, dtype: torch.dtype | None) -> None:
+    def __init__(self, target: torch.device, dtype: torch.dtype | None, skip: frozenset[str] = frozenset()) -> None:
         self.target = target
+        self.home = _resolved(target)  # where a tensor is already, to come back as it is
         self.dtype = dtype
+        self.skip = skip
+        self.packed: list[torch.device] = []  # the buffer's device of each PackedBatch looked into, innermost last
         self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}  # id(source) -> (source, result, path)
         self.memory: dict[Any, list[tuple[torch.Tensor, torch.Tensor, str]]] = {}
+        self.results: dict[int, tuple[torch.Tensor, str]] = {}  # id(result) -> (source, path)
+        # The memory each result reads, per memory space: starts sorted, and (start, end, source, path).
+        # "overlaps" marks a space where results overlap (their sources do), so that a search walks it all.
+        self.spans: dict[Any, tuple[list[int], list[tuple[int, int, torch.Tensor, str]]]] = {}
+        self.overlaps: set[Any] = set()
         # Sets, matched once everything else is checked: by then a set's tensors that also sit
         # elsewhere are known, which tells apart elements that look alike. None: match at once.
         self.sets: list[tuple[list[Any], list[Any], str]] | None = []
 
     def fork(self) -> _Checker:
-        other = _Checker(self.target, self.dtype)
+        other = _Checker(self.target, self.dtype, self.skip)
+        other.home, other.packed = self.home, list(self.packed)
         other.seen = dict(self.seen)
         other.memory = {k: list(v) for k, v in self.memory.items()}
+        other.results = dict(self.results)
+        other.spans = {k: (list(starts), list(entries)) for k, (starts, entries) in self.spans.items()}
+        other.overlaps = set(self.overlaps)
         other.sets = None
         return other
 
@@ -743,12 +829,41 @@ class _Checker:
                 f"expected the {parts.what} {', '.join(parts.entries) or '(none)'}{order}, "
                 f"got {', '.join(got.entries) or '(none)'}.",
             )
-        for entry, r, s in zip(parts.entries, got.children, parts.children):
-            self.check(r, s, path + entry)
+        keys = parts.keys if self.skip and parts.keys is not None else [_UNSET] * len(parts.entries)
+        for entry, key, r, s in zip(parts.entries, keys, got.children, parts.children):
+            if key is not _UNSET and key in self.skip:
+                self.held(r, s, path + entry)
+            else:
+                self.check(r, s, path + entry)
+
+    def held(self, result: Any, source: Any, path: str) -> None:
+        """An item under a key of skip_keys: the very same object; in a packed batch, as the batch holds it."""
+        if self.packed:  # filled from the batch's buffer, where the batch is: checked as a move there
+            saved = self.target, self.home, self.dtype, self.skip
+            self.target = self.home = self.packed[-1]
+            self.dtype, self.skip = None, frozenset()
+            try:
+                self.check(result, source, path)
+            finally:
+                self.target, self.home, self.dtype, self.skip = saved
+            return
+        if result is not source:
+            self.fail(
+                path,
+                f"expected the very same object as in the source, as skip_keys names its key: {_describe(source)}; "
+                f"got {_describe(result)}.",
+            )
 
     def leaf(self, result: Any, source: Any, path: str) -> None:
+        if isinstance(source, todevice.PackedBatch):  # it comes back unpacked, as its own structure
+            self.packed.append(source.buffer.device)
+            try:
+                self.check(result, source.unpack(), path)
+            finally:
+                self.packed.pop()
+            return
         if callable(getattr(type(source), "_todevice_move_", None)):
-            return  # a PackedBatch: it comes back unpacked, as its own structure
+            return  # another object that todevice moves by its own rule: not looked into
         moves_itself = not isinstance(source, torch.nn.Module) and callable(getattr(type(source), "to", None))
         if moves_itself:  # an object with its own .to(): only its type is checked
             if type(result) is not type(source):
@@ -778,29 +893,84 @@ class _Checker:
                 )
             return
         self.seen[id(source)] = (source, result, path)
+        self.distinct(result, source, path)
         if not _on(result.device, target):
             was = ": it was not moved" if result.device == source.device else ""
             self.fail(path, f"expected a tensor on {target}, got {_describe(result)}{was}.")
         cast = self.dtype is not None and (source.is_floating_point() or source.is_complex())
         dtype = self.dtype if cast and self.dtype is not None else source.dtype
+        tp = type(source)
+        if type(result) is not tp and not (_loses_type(tp) and type(result) is torch.Tensor):
+            self.fail(path, f"expected a {tp.__qualname__}, as the source is; got {_describe(result)}.")
         if result.dtype != dtype:
             self.fail(path, f"expected a tensor of {dtype}, got {_describe(result)}.")
+        if result is not source and not self.packed and source.device == self.home and source.dtype == dtype:
+            self.fail(
+                path,
+                f"expected the source's own tensor, which is on {target} already with nothing to cast "
+                f"(move() returns it as it is, as .to() does); got another ({_describe(result)}).",
+            )
         if result.shape != source.shape:
             self.fail(path, f"expected a tensor of shape {tuple(source.shape)}, got {_describe(result)}.")
         if result.requires_grad != source.requires_grad:
             want = "requiring grad" if source.requires_grad else "not requiring grad"
             self.fail(path, f"expected a tensor {want}, as the source is; got {_describe(result)}.")
-        if source.requires_grad and result is not source and result.grad_fn is None:
+        if source.requires_grad and result is not source and result.grad_fn is None and not self.packed:
             self.fail(
                 path,
                 "expected a tensor connected to the source's autograd graph, as .to() gives; got a new leaf, "
                 "through which no gradient flows back to the source.",
             )
         self.shared_memory(result, source, path)
+        self.own_memory(result, source, path)
         if source.device.type != "meta" and result.device.type != "meta":
             want_values = source.detach().to("cpu", dtype)
             if not _same_values(result.detach().cpu(), want_values):
                 self.fail(path, f"expected the source's values, got others ({_describe(result)}).")
+
+    def distinct(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
+        """One result tensor for two distinct source tensors only where those share memory (tied weights)."""
+        other = self.results.setdefault(id(result), (source, path))
+        if other[0] is not source and not _overlap(_span(other[0]), _span(source)):
+            self.fail(
+                path,
+                f"expected a tensor of its own, got the very tensor found at {other[1] or 'the top level'}, "
+                f"though the source holds two distinct tensors there: a change to one would change the other.",
+            )
+
+    def own_memory(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
+        """Results over overlapping memory only where their sources overlap too."""
+        span = _span(result)
+        if span is None:
+            return
+        space, start, end = span
+        starts, entries = self.spans.setdefault(space, ([], []))
+        i = bisect.bisect_left(starts, start)
+        found = []
+        j = i
+        while j < len(entries) and entries[j][0] < end:  # starting inside this one
+            found.append(entries[j])
+            j += 1
+        j = i - 1
+        while j >= 0:  # starting before: only the nearest can reach in, unless results overlap here
+            if entries[j][1] > start:
+                found.append(entries[j])
+            elif space not in self.overlaps:
+                break
+            j -= 1
+        own = _span(source)
+        for _, _, other_source, other_path in found:
+            if other_source is not source and not _overlap(_span(other_source), own):
+                self.fail(
+                    path,
+                    f"expected a tensor with memory of its own, got one over memory of the tensor at "
+                    f"{other_path or 'the top level'}, though their sources share none: a write to one "
+                    f"would change the other.",
+                )
+        if found:
+            self.overlaps.add(space)
+        starts.insert(i, start)
+        entries.insert(i, (start, end, source, path))
 
     def shared_memory(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
         if not source.numel():
@@ -885,7 +1055,15 @@ class _Checker:
 _TRIALS = 10_000
 
 
-def assert_moved(result: Any, source: Any, device: Any, /, *, dtype: torch.dtype | None = None) -> None:
+def assert_moved(
+    result: Any,
+    source: Any,
+    device: Any,
+    /,
+    *,
+    dtype: torch.dtype | None = None,
+    skip_keys: str | Collection[str] | None = None,
+) -> None:
     """Check that ``result`` is ``source`` moved to ``device``, as ``todevice.move()`` promises.
 
     Containers: the same structure and exact types, a new object for each mutable one (a move never
@@ -894,13 +1072,18 @@ def assert_moved(result: Any, source: Any, device: Any, /, *, dtype: torch.dtype
     and an OrderedDict's order (after ``move_to_end()`` too). The instance attributes of
     dataclasses, dict and list subclasses, UserDict, UserList and ChainMap are checked like fields,
     so a tensor left behind in one is found. Sets are matched element by element. Tensors: on
-    ``device``, with the source's dtype (or ``dtype``, for floating-point and complex ones), shape,
-    ``requires_grad``, autograd history and values (not compared where either side is on ``meta``).
-    A tensor that the source holds at several places is one tensor in the result, and distinct
-    source tensors over the same memory, read the same way (tied weights), still share memory.
-    Every other value is the very same object; one with its own ``.to()`` has the source's type, a
-    ``PackedBatch`` is not looked into, and an immutable container may come back as the very same
-    object when nothing in it needed moving.
+    ``device``, of the source's type (a subclass stays one; an ``nn.Parameter`` may come back a
+    plain tensor, as ``.to()`` gives it) and dtype (or ``dtype``, for floating-point and complex
+    ones), shape, ``requires_grad``, autograd history and values (not compared where either side
+    is on ``meta``). A tensor already on ``device`` with nothing to cast is the very same tensor,
+    as ``.to()`` returns it. A tensor that the source holds at several places is one tensor in the
+    result, and distinct source tensors over the same memory, read the same way (tied weights),
+    still share memory; distinct source tensors that share no memory come back as distinct tensors
+    that share none. A ``PackedBatch`` comes back as the structure it packs, checked against
+    ``unpack()``. The items under the keys in ``skip_keys`` are the very same objects as in the
+    source. Every other value is the very same object; one with its own ``.to()`` has the
+    source's type, and an immutable container may come back as the very same object when nothing
+    in it needed moving.
 
     Example:
         >>> import collections, torch, todevice
@@ -916,29 +1099,34 @@ def assert_moved(result: Any, source: Any, device: Any, /, *, dtype: torch.dtype
         source: What was moved, as it was before the move.
         device: The target device, as given to the move: ``"meta"``, ``"cuda"``, ``torch.device(...)``.
         dtype: The ``dtype=`` given to the move, if any.
+        skip_keys: The ``skip_keys=`` given to the move, if any: a dict key, or a collection of them.
 
     Raises:
         AssertionError: ``result`` is not ``source`` moved. The message names the path inside the
             structure (``['x'][2].field``), what was expected there and what came instead.
+        TypeError: ``skip_keys`` is neither a str nor a collection of str.
 
     .. versionadded:: 0.1.0
     """
-    _Checker(_target(device), dtype).run(result, source)
+    _Checker(_target(device), dtype, _skip_set(skip_keys)).run(result, source)
 
 
 # ---------------------------------------------------------------- compare()
 
 
-def _snapshot(x: Any) -> list[tuple[str, int, str]]:
-    """Every object in a structure, by path: its identity, and a tensor's device, version and data pointer."""
-    out: list[tuple[str, int, str]] = []
+def _snapshot(x: Any) -> list[tuple[str, int, str, int, Any]]:
+    """Every object in a structure, by path: its identity and description, and a tensor's version and memory."""
+    out: list[tuple[str, int, str, int, Any]] = []
 
     def go(node: Any, path: str) -> None:
         if isinstance(node, torch.Tensor):
-            address = _address(node)
-            out.append((path, id(node), f"{_describe(node)} (version {node._version}, at {address})"))
+            try:
+                version = node._version
+            except RuntimeError:  # an inference tensor keeps no version
+                version = -1
+            out.append((path, id(node), _describe(node), version, _address(node)))
             return
-        out.append((path, id(node), _describe(node)))
+        out.append((path, id(node), _describe(node), 0, None))
         parts = _parts(node)
         if parts is None:
             return
@@ -949,15 +1137,22 @@ def _snapshot(x: Any) -> list[tuple[str, int, str]]:
     return out
 
 
-def _changed(before: list[tuple[str, int, str]], after: list[tuple[str, int, str]], name: str) -> str | None:
+def _changed(before: list[tuple[str, int, str, int, Any]], after: list[tuple[str, int, str, int, Any]]) -> str | None:
+    """How a structure changed between two snapshots, in words that are the same on every run; None if it did not."""
     for old, new in zip(before, after):
-        if old != new:
-            return (
-                f"{_where(old[0])}: {name} changed its input: it held {old[2]} there, and {new[2]} afterwards. "
-                f"A move must leave its input as it was."
-            )
+        if old == new:
+            continue
+        if old[2] != new[2]:
+            change = f"it held {old[2]} there, and {new[2]} afterwards"
+        elif old[1] != new[1]:
+            change = f"the {old[2]} there was replaced by another object"
+        elif old[4] != new[4]:
+            change = f"the {old[2]} there was given other memory"
+        else:
+            change = f"the values of the {old[2]} there were written in place"
+        return f"{_where(old[0])}: changed its input: {change}. A move must leave its input as it was."
     if len(before) != len(after):
-        return f"{name} changed its input: it held {len(before)} objects, and {len(after)} afterwards."
+        return f"Changed its input: it held {len(before)} objects, and {len(after)} afterwards."
     return None
 
 
@@ -965,7 +1160,8 @@ class Mismatch(NamedTuple):
     """One container kind that a helper, or ``todevice.move()``, gets wrong, found by :func:`compare`.
 
     Attributes:
-        kind: A name of :data:`KINDS`, ``"tensors"`` (single tensors and atoms) or ``"aliasing"``.
+        kind: A name of :data:`KINDS` (batches with that kind at the top), ``"tensors"`` (single
+            tensors) or ``"aliasing"``.
         example: The smallest batch found that shows it, as it was before the move.
         message: What is wrong with the helper's result, from :func:`assert_moved` (or the
             exception the helper raised, or how it changed its input); None where it is right.
@@ -1033,7 +1229,7 @@ class Report:
 def _short_repr(x: Any, limit: int = 400) -> str:
     text = repr(x)
     tp = type(x)
-    if tp.__module__ != "builtins" and not text.startswith((tp.__qualname__, tp.__module__)):
+    if tp.__module__ != "builtins" and not text.lower().startswith((tp.__qualname__.lower(), tp.__module__)):
         text = f"{tp.__qualname__}({text})"  # a UserDict shows itself as a dict
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -1045,8 +1241,8 @@ def _indent(text: str) -> str:
 class _Search:
     """compare()'s searches: one per kind, for a batch that the helper, or else move(), gets wrong."""
 
-    def __init__(self, helper: Callable[[Any, Any], Any], name: str, device: Any, max_examples: int) -> None:
-        self.helper, self.name, self.device = helper, name, device
+    def __init__(self, helper: Callable[[Any, Any], Any], device: Any, max_examples: int) -> None:
+        self.helper, self.device = helper, device
         self.settings = hypothesis.settings(
             max_examples=max_examples,
             database=None,
@@ -1060,14 +1256,14 @@ class _Search:
         self.last: tuple[str | None, bool] = (None, False)
         self.move_failed = False
 
-    def failure(self, fn: Callable[[Any, Any], Any], batch: Any, who: str) -> tuple[str | None, bool]:
+    def failure(self, fn: Callable[[Any, Any], Any], batch: Any) -> tuple[str | None, bool]:
         """Why ``fn``'s move of ``batch`` is wrong (None if it is right), and whether it changed ``batch``."""
         before = _snapshot(batch)
         try:
             out = fn(batch, self.device)
         except Exception as err:
-            return f"{who} raised {type(err).__qualname__}: {err}", False
-        changed = _changed(before, _snapshot(batch), who)
+            return f"raised {type(err).__qualname__}: {err}", False
+        changed = _changed(before, _snapshot(batch))
         if changed is not None:
             return changed, True
         try:
@@ -1077,13 +1273,13 @@ class _Search:
         return None, False
 
     def helper_fails(self, batch: Any, copies: bool = False) -> bool:
-        self.last = self.failure(self.helper, copy.deepcopy(batch) if copies else batch, self.name)
+        self.last = self.failure(self.helper, copy.deepcopy(batch) if copies else batch)
         if self.last[0] is None and not self.move_failed:
-            self.move_failed = self.failure(todevice.move, batch, "todevice.move()")[0] is not None
+            self.move_failed = self.failure(todevice.move, batch)[0] is not None
         return self.last[0] is not None
 
     def move_fails(self, batch: Any) -> bool:
-        self.last = self.failure(todevice.move, batch, "todevice.move()")
+        self.last = self.failure(todevice.move, batch)
         return self.last[0] is not None
 
     def find(self, strategy: st.SearchStrategy[Any], fails: Callable[[Any], bool]) -> Any:
@@ -1104,7 +1300,7 @@ class _Search:
             self.last = (None, False)
         if example is _UNSET:
             return None
-        return Mismatch(kind, example, self.last[0], self.failure(todevice.move, example, "todevice.move()")[0])
+        return Mismatch(kind, example, self.last[0], self.failure(todevice.move, example)[0])
 
 
 def compare(
@@ -1119,11 +1315,12 @@ def compare(
     """Run your own ``helper(batch, device)`` and ``todevice.move()`` on random batches, kind by kind.
 
     For single tensors, then each container kind (:data:`KINDS`), then aliasing (a tensor at two
-    places, tied weights), Hypothesis searches batches of that kind for one that the helper moves
-    wrongly, by :func:`assert_moved`, or raises on, or changes in place; it then shrinks the batch
-    to the smallest that still shows it. ``todevice.move()`` runs on the same batches. Each kind
-    is one search of up to ``max_examples`` batches, derandomized, so the report is the same on
-    every run; the default takes a few seconds. Do not call it inside a ``@given`` test.
+    places, tied weights), Hypothesis searches batches of that kind (that kind at the top, holding
+    at least one tensor) for one that the helper moves wrongly, by :func:`assert_moved`, or raises
+    on, or changes in place; it then shrinks the batch to the smallest that still shows it.
+    ``todevice.move()`` runs on the same batches. Each kind is one search of up to
+    ``max_examples`` batches, derandomized, so the report is the same on every run; the default
+    takes a few seconds. Do not call it inside a ``@given`` test.
 
     Example:
         >>> import torch, todevice.testing
@@ -1132,8 +1329,8 @@ def compare(
         ...         return type(data)(to_device(v, device) for v in data)
         ...     return data.to(device) if isinstance(data, torch.Tensor) else data
         >>> report = todevice.testing.compare(to_device, containers=["list", "tuple", "namedtuple"])
-        >>> [m.kind for m in report.mismatches]
-        ['namedtuple', 'aliasing']
+        >>> [m.kind for m in report.mismatches]  # it rebuilds a torch.Size in lists and tuples, too
+        ['list', 'tuple', 'namedtuple', 'aliasing']
 
     Args:
         helper: Your move: ``helper(batch, device)`` returns the moved batch.
@@ -1149,7 +1346,9 @@ def compare(
         ``report.mismatches`` lists each kind it gets wrong, with the smallest batch found.
 
     Raises:
-        ValueError: ``containers`` names an unknown kind, or ``max_examples`` is below 1.
+        ValueError: ``containers`` names an unknown kind, ``max_examples`` is below 1, or
+            ``device`` is not a valid or available device (as :func:`todevice.move` says).
+        TypeError: ``device`` has the wrong type.
 
     .. versionadded:: 0.1.0
     """
@@ -1157,13 +1356,14 @@ def compare(
     if max_examples < 1:
         msg = f"Expected max_examples of at least 1, got {max_examples!r}."
         raise ValueError(msg)
+    todevice.move(torch.empty(0), device)  # a device that is not valid or not here: move()'s error, up front
     name = getattr(helper, "__name__", None) or repr(helper)
-    searches: list[tuple[str, st.SearchStrategy[Any]]] = [("tensors", batches(containers=(), aliasing=False))]
-    searches += [(kind, batches(containers=(kind,), aliasing=False, max_leaves=6)) for kind in kinds]
+    searches: list[tuple[str, st.SearchStrategy[Any]]] = [("tensors", tensors())]
+    searches += [(kind, _rooted(kind)) for kind in kinds]
     if aliasing:
         searches.append(("aliasing", _ALIASES))
 
-    search = _Search(helper, name, device, max_examples)
+    search = _Search(helper, device, max_examples)
     found = (search.kind(kind, strategy) for kind, strategy in searches)
     mismatches = tuple(m for m in found if m is not None)
     return Report(name, str(device), tuple(k for k, _ in searches), max_examples, mismatches)
