@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import shutil
 import subprocess
@@ -115,6 +116,16 @@ def test_fullgraph_move_is_one_graph_of_per_leaf_copies() -> None:
     assert len(graphs) == 1
     copies = [n for n in graphs[0].graph.nodes if n.op == "call_method" and n.target == "to"]
     assert len(copies) == 3  # x and i, each met twice and copied once, and y
+
+
+def test_a_wrapper_made_as_the_readme_says_keeps_its_body_under_compile() -> None:
+    @functools.wraps(todevice.move, updated=())  # the README's advice: not move's __dict__, which dynamo reads
+    def move_half(obj: Any, device: Any, **kwargs: Any) -> Any:
+        return todevice.move(obj, device, dtype=torch.float16, **kwargs)
+
+    compiled = torch.compile(lambda b: move_half(b, "meta"), backend="eager", fullgraph=True)
+    assert compiled({"x": torch.ones(2)})["x"].dtype == torch.float16
+    assert move_half.__name__ == "move" and move_half.__doc__ == todevice.move.__doc__
 
 
 def test_aot_backend_and_inside_a_model() -> None:
