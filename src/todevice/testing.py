@@ -53,7 +53,7 @@ except ImportError as err:  # pragma: no cover - exercised by removing hypothesi
     raise ImportError(_msg, name="hypothesis") from err
 
 import todevice
-from todevice import _tree
+from todevice import _move, _tree
 
 __all__ = [  # noqa: RUF022 (grouped: strategies, checks, the classes the strategies make)
     # strategies
@@ -696,18 +696,8 @@ def _loses_type(tp: type) -> bool:
 
 
 def _skip_set(skip_keys: Any) -> frozenset[str]:
-    if skip_keys is None:
-        return frozenset()
-    if isinstance(skip_keys, str):
-        return frozenset((skip_keys,))
-    try:
-        keys = frozenset(skip_keys)
-    except TypeError:
-        keys = None
-    if keys is None or not all(isinstance(k, str) for k in keys):
-        msg = f"Expected skip_keys= to be a str or a collection of str, as move() takes it, got {skip_keys!r}."
-        raise TypeError(msg)
-    return keys
+    """The keys to skip, read as move() reads them (the same TypeError for anything else)."""
+    return frozenset() if skip_keys is None else _move._skip_set(skip_keys)
 
 
 def _on(actual: torch.device, target: torch.device) -> bool:
