@@ -518,9 +518,9 @@ def move(
 
     Args:
         obj: A tensor, or any nesting of dicts (including OrderedDict and defaultdict), lists,
-            tuples, namedtuples, deques, sets, dataclasses, dict and list subclasses, types
-            registered with :func:`todevice.register`, objects with their own ``.to()``, and
-            :class:`todevice.PackedBatch`.
+            tuples, namedtuples, structseqs, deques, sets, dataclasses, dict and list subclasses,
+            other mappings (UserDict, ...), types registered with :func:`todevice.register`,
+            objects with their own ``.to()``, and :class:`todevice.PackedBatch`.
         device: Target device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``, or an int
             (an index of the current accelerator).
         non_blocking: Let host-to-accelerator copies run asynchronously: pageable tensors cross
