@@ -277,6 +277,7 @@ class State:
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
     packed: Any = None  # the packed batch whose skeleton the walk fills, while it does
+    filling: State | None = None  # what fills that batch's skipped items as it holds them, made once if needed
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     ordered = False  # on a side stream: whether it waits for the user's stream already
 
@@ -408,11 +409,13 @@ def _held(x: Any, s: State) -> Any:
     batch = s.packed
     if batch is None:
         return x
-    views = _layout.read(batch.buffer, batch.layout)  # where the batch's buffer is: nothing copied
-    for k in batch.requires_grad:
-        views[k] = views[k].requires_grad_()
-    filling = State(plan(batch.buffer.device, False, None))  # loose tensors there already stay as they are
-    filling.views, filling.aliases = views, {}
+    filling = s.filling
+    if filling is None:  # one for every skipped item of the batch, so a tensor in two of them is one view
+        views = _layout.read(batch.buffer, batch.layout)  # where the batch's buffer is: nothing copied
+        for k in batch.requires_grad:
+            views[k] = views[k].requires_grad_()
+        filling = s.filling = State(plan(batch.buffer.device, False, None))  # loose tensors there stay
+        filling.views, filling.aliases = views, {}
     return _careful(x, filling)
 
 
@@ -647,14 +650,14 @@ def unpack(s: State, batch: Any) -> Any:
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
     skeleton = batch.skeleton
-    outer = s.views, s.aliases, s.packed
-    s.views, s.aliases, s.packed = views, {}, batch
+    outer = s.views, s.aliases, s.packed, s.filling
+    s.views, s.aliases, s.packed, s.filling = views, {}, batch, None
     try:
         out = _careful(skeleton, s)
     except LeafError as failure:
         raise failure.within(batch, skeleton, s.plan.skip) from None  # the walk the batch is in names the path
     finally:
-        s.views, s.aliases, s.packed = outer
+        s.views, s.aliases, s.packed, s.filling = outer
     s.memo[id(batch)] = (batch, out)
     return out
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import enum
 import functools
 import inspect
 from collections.abc import Callable, Collection
@@ -58,11 +57,6 @@ in_compiled_region: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "ge
 def compiling() -> bool:
     """Whether this runs under torch.compile: traced by dynamo, or run as plain Python by a compiled function."""
     return torch.compiler.is_dynamo_compiling() or bool(in_compiled_region())
-
-
-# Atomic values kept as they are (``_tree`` classifies the same ones; numpy scalars go through it).
-_ATOMS = (int, float, complex, str, bytes, enum.Enum, torch.Size, torch.dtype, torch.device, torch.layout)
-_ATOMS_EXACT = frozenset({type(None), range, slice, type(Ellipsis), torch.memory_format})
 
 
 def compiled(
@@ -188,7 +182,7 @@ def _moved(x: Any, h: _How) -> Any:
     reg = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
     if reg is not None:
         return _node(x, reg, h)
-    if tp in _ATOMS_EXACT or isinstance(x, _ATOMS):
+    if tp in _tree._ATOMIC_EXACT or isinstance(x, _tree._ATOMIC_BASES):  # _tree's atoms (numpy's go through _rule)
         return x
     if tp is _OrderedDict:
         return _OrderedDict(_items(x, h))

@@ -127,12 +127,7 @@ def make(
                 raise LeafError(x, err) from err
             if skip and kind.keys is not None:
                 done = [held(v, s) if k in skip else walk(v, s) for k, v in zip(kind.keys(aux), children)]
-                try:
-                    return kind.unflatten(aux, done)  # type: ignore[misc]
-                except RecursionError:
-                    raise
-                except Exception as err:
-                    raise LeafError(x, err) from err
+                return guarded(x, kind.unflatten, aux, done)  # type: ignore[arg-type]
         done = [
             (v if keep(v) else tensor(v, s))
             if type(v) is tensor_type
