@@ -10,6 +10,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from todevice.testing import FrozenRecord, FrozenSlotsRecord, SlotsRecord
+
 
 class Point(NamedTuple):
     x: Any
@@ -46,24 +48,6 @@ class Record:
     b: Any = None
 
 
-@dataclasses.dataclass(frozen=True)
-class FrozenRecord:
-    a: Any
-    b: Any = None
-
-
-@dataclasses.dataclass(slots=True)
-class SlotRecord:
-    a: Any
-    b: Any = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FrozenSlotRecord:
-    a: Any
-    b: Any = None
-
-
 @dataclasses.dataclass
 class LateRecord:
     """A dataclass with a field outside __init__, set after construction."""
@@ -91,7 +75,7 @@ class Color(enum.Enum):
     BLUE = 2
 
 
-DATACLASSES = (Record, FrozenRecord, SlotRecord, FrozenSlotRecord)
+DATACLASSES = (Record, FrozenRecord, SlotsRecord, FrozenSlotsRecord)  # the last three: todevice.testing's
 
 
 def make_late(a: Any, late: Any) -> LateRecord:
@@ -291,8 +275,8 @@ def corpus() -> dict[str, Any]:
         "frozenset": frozenset({2, t}),
         "dataclass": Record(t, [t + 2]),
         "frozen-dataclass": FrozenRecord(t, {"k": t}),
-        "slots-dataclass": SlotRecord(t),
-        "frozen-slots-dataclass": FrozenSlotRecord(t, (t,)),
+        "slots-dataclass": SlotsRecord(t),
+        "frozen-slots-dataclass": FrozenSlotsRecord(t, (t,)),
         "init-false-field": make_late(t, t * 2),
         "dict-subclass": TaggedDict("tag", {"a": t}),
         "list-subclass": TaggedList("tag", [t, 2]),

@@ -19,6 +19,7 @@ import torch
 import todevice
 from tests import helpers
 from todevice import _tree
+from todevice.testing import FrozenMapping
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -31,20 +32,7 @@ def ones(*shape: int) -> torch.Tensor:
 # ---------------------------------------------------------------- mappings that are not dicts
 
 
-class ReadOnly(collections.abc.Mapping):  # type: ignore[type-arg]
-    """A mapping built from a dict, as most custom mappings are."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
+ReadOnly = FrozenMapping  # a mapping built from a dict, as most custom mappings are
 
 
 class Registry(collections.abc.MutableMapping):  # type: ignore[type-arg]
