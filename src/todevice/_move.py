@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import operator
 from collections.abc import Callable, Collection
 from typing import Any, NamedTuple, TypeVar
@@ -38,15 +37,6 @@ PINNED_RESULT_MAX_BYTES = COALESCE_MAX_BYTES
 # .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
 # PyG Data) move their contents in place and return self, which would mutate the input.
 _PURE_TO: frozenset[type] = frozenset({PackedSequence})
-
-
-@functools.lru_cache(maxsize=1024)
-def _accepts_non_blocking(tp: type) -> bool:
-    try:
-        params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
-    except (TypeError, ValueError):  # no signature (a C method): try it and see
-        return True
-    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _check_dtype(dtype: object) -> torch.dtype:
@@ -464,7 +454,7 @@ def _to_object(obj: Any, s: State) -> Any:
     if streams is not None:
         _stream.set_stream(streams[0])
     try:
-        if _accepts_non_blocking(tp):  # type: ignore[arg-type]  # types hash
+        if _tree.accepts_non_blocking(tp):  # type: ignore[arg-type]  # types hash
             try:
                 out = target.to(p.dev, non_blocking=non_blocking)
             except TypeError as err:

@@ -34,8 +34,6 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import functools
-import inspect
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -246,7 +244,7 @@ def _rule(tp: type) -> int:
     if code == _tree.OWN:  # a PackedBatch
         return _PACKED
     if code == _tree.TO:
-        return _TO_NB if _accepts_non_blocking(tp) else _TO
+        return _TO_NB if _tree.accepts_non_blocking(tp) else _TO
     if code == _tree.NODE:
         if issubclass(tp, tuple) and hasattr(tp, "_fields"):
             return _NAMEDTUPLE
@@ -265,16 +263,6 @@ def _plain_object(tp: type) -> bool:
     """Whether ``object.__new__`` makes an empty ``tp`` whose attributes all live in its ``__dict__``."""
     new: Any = tp.__new__
     return new is object.__new__ and not hasattr(tp, "__slots__") and not issubclass(tp, (dict, list))
-
-
-@functools.lru_cache(maxsize=1024)
-def _accepts_non_blocking(tp: type) -> bool:
-    """Whether ``tp.to`` takes ``non_blocking``: ``_move``'s check, which this module cannot import."""
-    try:
-        params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
-    except (TypeError, ValueError):  # no signature (a C method): try it
-        return True
-    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:

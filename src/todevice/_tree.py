@@ -13,6 +13,8 @@ import collections
 import collections.abc
 import dataclasses
 import enum
+import functools
+import inspect
 import operator
 import sys
 import threading
@@ -581,6 +583,16 @@ _DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry)
 
 def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
+
+
+@functools.lru_cache(maxsize=1024)
+def accepts_non_blocking(tp: type) -> bool:
+    """Whether ``tp.to`` takes ``non_blocking``, by its signature; True where it has none (a C method)."""
+    try:
+        params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _classify(tp: type) -> Kind:
