@@ -17,7 +17,19 @@ from todevice import _layout, _move, _stream, _tree, _walk
 SRC = Path(todevice.__file__).parent
 
 # Each private module may import only those before it: data flows down this list.
-LAYERS = ["errors", "_tree", "_stream", "_walk", "_layout", "_traced", "_move", "_pack", "_data", "_inspect"]
+LAYERS = [
+    "errors",
+    "_options",
+    "_tree",
+    "_stream",
+    "_walk",
+    "_layout",
+    "_traced",
+    "_move",
+    "_pack",
+    "_data",
+    "_inspect",
+]
 
 
 def internal_imports(path: Path) -> set[str]:

@@ -715,6 +715,23 @@ def _warm_batch(shape: tuple[int, ...] = (4,)) -> dict[str, Any]:
     }
 
 
+def test_taking_from_devices_takes_what_is_off_the_host_and_needs_no_grad() -> None:
+    """What a move to the CPU gathers on each device: small plain tensors off the host, not needing grad."""
+    small = [torch.ones(2, device="meta"), torch.zeros((), device="meta", dtype=torch.int64)]
+    tree = {
+        "small": small,
+        "host": torch.ones(2),
+        "grad": torch.ones(2, device="meta", requires_grad=True),
+        "big": torch.ones(1000, device="meta"),
+        "name": "x",
+    }
+    taken = _layout.take(tree, 1024, None, devices=True)
+    assert [id(t) for t in taken.tensors] == [id(t) for t in small]
+    assert taken.skeleton["host"] is tree["host"] and taken.skeleton["big"] is tree["big"]
+    assert taken.skeleton["grad"] is tree["grad"] and taken.loose == 3
+    assert [id(t) for t in _layout.take(tree, 1024, None).tensors] == [id(tree["host"])]
+
+
 def _warmed() -> None:
     for _ in range(3):
         todevice.pack(_warm_batch())

@@ -2,7 +2,8 @@
 
 from todevice._data import collate, prefetch
 from todevice._inspect import Finding, audit, check, devices, guard
-from todevice._move import COALESCE_MAX_BYTES, move
+from todevice._move import move
+from todevice._options import COALESCE_MAX_BYTES
 from todevice._pack import PackedBatch, pack
 from todevice._tree import register, unregister
 from todevice.errors import DeviceMismatchError

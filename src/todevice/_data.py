@@ -11,7 +11,7 @@ import torch.utils.data
 from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
-from todevice import _move, _pack, _stream
+from todevice import _move, _options, _pack, _stream
 from todevice._stream import DeviceLike
 
 B = TypeVar("B")
@@ -22,7 +22,7 @@ def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Te
     # worker. The small fields are packed into one buffer right after, so theirs would be waste;
     # a large field stays a tensor of its own, and goes there as default_collate puts it.
     elem = batch[0]
-    if elem.is_nested or elem.layout is not torch.strided or elem.nbytes * len(batch) > _move.COALESCE_MAX_BYTES:
+    if elem.is_nested or elem.layout is not torch.strided or elem.nbytes * len(batch) > _options.COALESCE_MAX_BYTES:
         stacked: torch.Tensor = collate_tensor_fn(batch)  # refuses nested and sparse ones, with torch's message
         return stacked
     return torch.stack(batch, 0)
@@ -133,7 +133,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         self.device = _stream.resolve_device(device)
         self.depth = depth
         self.non_blocking = non_blocking
-        self.skip_keys = _move._skip_set(skip_keys) if skip_keys is not None else None
+        self.skip_keys = _options.skip_set(skip_keys) if skip_keys is not None else None
         self._side: torch.Stream | None = None
 
     def __len__(self) -> int:

@@ -197,6 +197,17 @@ _below_autograd_views: Callable[[], Any] = getattr(
 )
 
 
+def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) -> torch.Tensor:
+    """``tensors`` (in walk order, all on ``dev``) written into one new byte buffer there: a kernel or two per group.
+
+    Below autograd, as :func:`read` cuts: no tensor written needs grad, and the buffer is copied away at once.
+    """
+    with _below_autograd_views():
+        buffer = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
+        write(buffer, lay, tensors)
+    return buffer
+
+
 def read(
     buffer: torch.Tensor, lay: Layout, cast: torch.dtype | None = None, made: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
@@ -351,11 +362,12 @@ _shape_of = operator.attrgetter("shape")
 class _Taking:
     """One take's state: the tensors taken, in walk order, and those left in the skeleton."""
 
-    __slots__ = ("by_id", "by_ptr", "grad", "loose", "max_bytes", "tensors")
+    __slots__ = ("by_id", "by_ptr", "devices", "grad", "loose", "max_bytes", "tensors")
 
-    def __init__(self, max_bytes: int | None, grad: bool) -> None:
+    def __init__(self, max_bytes: int | None, grad: bool, devices: bool) -> None:
         self.max_bytes = max_bytes
         self.grad = grad
+        self.devices = devices  # take tensors off the host (False), or off every other device (True)
         self.tensors: list[torch.Tensor] = []
         self.loose: list[Any] = []  # tensors and objects with .to() left in the skeleton
         self.by_ptr: dict[int, list[int]] = {}  # careful take: data_ptr -> indices of the tensors taken there
@@ -363,11 +375,12 @@ class _Taking:
 
 
 def _take(t: torch.Tensor, s: _Taking) -> Any:
-    """The optimistic take: a slot for every plain host tensor (up to ``max_bytes``; needing grad if ``grad``).
+    """The optimistic take: a slot for every plain tensor on the side taken from (up to ``max_bytes``;
+    needing grad if ``grad``).
 
     Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk.
     """
-    if type(t) is not _Tensor or not t.is_cpu:
+    if type(t) is not _Tensor or t.is_cpu is s.devices:
         s.loose.append(t)
         return t
     max_bytes = s.max_bytes
@@ -395,7 +408,7 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
     max_bytes = s.max_bytes
     if (
         type(t) is not _Tensor
-        or not t.is_cpu
+        or t.is_cpu is s.devices
         or t.dtype not in DENSE_DTYPES
         or t.layout is not torch.strided  # sparse and mkldnn tensors travel as they are
         or t.is_nested
@@ -447,17 +460,23 @@ class Taken(NamedTuple):
 
 
 def take(
-    obj: Any, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False, skip: frozenset[Any] = frozenset()
+    obj: Any,
+    max_bytes: int | None,
+    cast: torch.dtype | None,
+    grad: bool = False,
+    skip: frozenset[Any] = frozenset(),
+    devices: bool = False,
 ) -> Taken:
     """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``).
 
-    The items of mappings under the keys in ``skip`` stay in the skeleton as they are.
+    With ``devices``, every such tensor that is not on the host instead, whatever its device. The
+    items of mappings under the keys in ``skip`` stay in the skeleton as they are.
 
     Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
     a registered flatten.
     """
     optimistic, careful = _takes(skip)
-    taking = _Taking(max_bytes, grad)
+    taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
     tensors = taking.tensors
     try:
@@ -469,7 +488,7 @@ def take(
             return Taken(skeleton, tensors, lay, len(taking.loose))
     except (RuntimeError, TypeError):
         pass
-    taking = _Taking(max_bytes, grad)
+    taking = _Taking(max_bytes, grad, devices)
     skeleton = careful.walk(obj, taking)
     tensors = taking.tensors
     lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)

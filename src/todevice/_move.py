@@ -11,7 +11,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from todevice import _layout, _stream, _traced, _tree, _walk
+from todevice import _layout, _options, _stream, _traced, _tree, _walk
+from todevice._options import COALESCE_MAX_BYTES
 from todevice._stream import DeviceLike
 from todevice._walk import LeafError
 
@@ -19,13 +20,6 @@ T = TypeVar("T")
 
 _Tensor = torch.Tensor
 _compiled_region = _traced.in_compiled_region
-
-# Leaves up to this size are packed into one buffer and sent in one copy when moving from the host
-# to an accelerator. Packing a leaf costs a host memcpy; sending it alone costs a copy launch and an
-# allocation, 5 to 7 us on a GPU. Measured here, a 64 KiB host copy takes 3.4 to 10 us (8 KiB:
-# 1.0 us, 16 KiB: 1.4 us, 128 KiB: 4.3 us; medians of quiet and of busy runs): at 64 KiB the memcpy
-# about equals the launch it saves, and beyond it the launch is the cheaper.
-COALESCE_MAX_BYTES = 64 * 1024
 
 # Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
 # stays asynchronous until the one wait before move() returns); larger ones are copied into
@@ -39,21 +33,6 @@ PINNED_RESULT_MAX_BYTES = COALESCE_MAX_BYTES
 _PURE_TO: frozenset[type] = frozenset({PackedSequence})
 
 
-def _check_dtype(dtype: object) -> torch.dtype:
-    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
-        msg = (
-            f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only, as "
-            f"nn.Module.to() does, so dtype must be a floating-point or complex torch.dtype such as "
-            f"torch.float16. Cast integer tensors yourself with tensor.to(dtype)."
-        )
-        raise TypeError(msg)
-    return dtype
-
-
-def _casts(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
 class Plan(NamedTuple):
     """What a move to one device with one set of options does: a pure function of the three, made once."""
 
@@ -64,13 +43,18 @@ class Plan(NamedTuple):
     one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
     walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
     careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
-    coalesce: bool  # coalesce by default: from the host to an accelerator
+    coalesce: bool  # coalesce by default: from the host to an accelerator, and from accelerators to the CPU
+    gathers: bool  # to the CPU: coalescing gathers accelerator tensors on their devices first
     to_host: bool  # asynchronous copies land in host memory: wait for them before returning
     skip: frozenset[Any]  # the keys whose items stay as they are
 
 
 class _Careful(Exception):
     """Internal: the optimistic walk met an object that only the careful walk moves."""
+
+
+class _Gather(Exception):
+    """Internal: a move to the CPU met a tensor off the host, which the walk that coalesces moves."""
 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
@@ -93,13 +77,14 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     elif dtype is None:
         keep = lambda t: t.device == dev  # noqa: E731
     else:
-        keep = lambda t: t.device == dev and (t.dtype == dtype or not _casts(t))  # noqa: E731
+        keep = lambda t: t.device == dev and (t.dtype == dtype or not _options.casts(t))  # noqa: E731
     mps = dev.type == "mps"
     # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
     plain = dtype is None and (not non_blocking or dev.type == "meta")
 
     host = dev.type in _stream.HOST_TYPES
-    to_host = dev.type == "cpu" and non_blocking
+    gathers = dev.type == "cpu"
+    to_host = gathers and non_blocking
     # Pageable sources cross through pinned memory; not to MPS, where memory is unified and a copy
     # from pageable memory may not be asynchronous at all (pytorch#83015).
     stage = non_blocking and not host and not mps
@@ -107,7 +92,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
             return t.to(dev)  # parses fastest
-        cast = dtype if dtype is not None and _casts(t) else None
+        cast = dtype if dtype is not None and _options.casts(t) else None
         if stage and t.is_cpu:
             out = _layout.staged(t, dev, cast)
             if out is not None:
@@ -132,6 +117,8 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
 
     def recorded(t: torch.Tensor, rec: list[torch.Tensor]) -> torch.Tensor:
         """A tensor not in place, moved and recorded: repeats and shared memory are found afterwards, in bulk."""
+        if gathers and not t.is_cpu:
+            raise _Gather  # its copy may be gathered with others on its device
         try:
             out = t.to(dev) if plain else to(t)
         except RecursionError:
@@ -171,7 +158,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     # the only one.
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
-    return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host, to_host, skip)
+    return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host or gathers, gathers, to_host, skip)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -188,7 +175,7 @@ def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
     """The plan for move()'s arguments, or the error they deserve; kept by the arguments themselves."""
     dev = _stream.resolve_device(device)
     if dtype is not None:
-        _check_dtype(dtype)
+        _options.check_dtype(dtype)
     p = plan(dev, non_blocking, dtype)
     if isinstance(device, int) or torch.device(device).index is not None or dev.type in _stream.HOST_TYPES:
         # Not "cuda", which means whichever device is current when the call is made.
@@ -200,42 +187,11 @@ def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
 
 def _with_options(p: Plan, skip_keys: Any, max_bytes: Any) -> Plan:
     """The plan for move()'s rarer options, checked: the keys to skip, and the coalescing limit."""
-    check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
+    _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
     if skip_keys is None:
         return p
-    skip = _skip_set(skip_keys)
+    skip = _options.skip_set(skip_keys)
     return plan(p.dev, p.non_blocking, p.dtype, skip) if skip else p
-
-
-def check_max_bytes(value: Any, what: str) -> None:
-    """Raise unless ``value`` is a number of bytes: an int (or a numpy integer) of 0 or more, not a bool."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        error: type[Exception] = TypeError
-    elif value < 0:
-        error = ValueError
-    else:
-        return
-    msg = (
-        f"Cannot {what}={value!r}: expected a number of bytes, an int >= 0 "
-        f"(todevice.COALESCE_MAX_BYTES, {COALESCE_MAX_BYTES}, by default)."
-    )
-    raise error(msg)
-
-
-def _skip_set(skip_keys: Any) -> frozenset[str]:
-    if isinstance(skip_keys, str):
-        return frozenset((skip_keys,))
-    try:
-        keys = frozenset(skip_keys)
-    except TypeError:
-        keys = None
-    if keys is None or not all(isinstance(k, str) for k in keys):
-        msg = (
-            f"Cannot skip keys {skip_keys!r}: skip_keys takes a str or a collection of str, the dict keys "
-            f"whose entries stay where they are, such as skip_keys=['lengths']."
-        )
-        raise TypeError(msg)
-    return keys
 
 
 def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
@@ -333,13 +289,23 @@ def _distinct(sources: list[torch.Tensor]) -> bool:
     return len(set(held)) == len(held) and len(set(empty)) == len(empty)
 
 
-def _host(obj: Any, p: Plan, walk: _walk.Walk) -> Any:
-    """A move to the host: the optimistic walk, and the careful one only where the batch needs it."""
+def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> Any:
+    """A move to the host: the optimistic walk, and the careful one only where the batch needs it.
+
+    A move to the CPU that meets a tensor off the host coalesces (``gather``) or walks carefully.
+    """
     rec: list[torch.Tensor] = []  # source, copy, source, copy, ...
     try:
         out = walk.walk(obj, rec)
     except LeafError as failure:
         _walk.explain(failure, obj, p.dev, skip=p.skip)
+    except _Gather:
+        if not gather:
+            return _carefully(obj, p, rec)
+        s = State(p, _made(rec))
+        out = _coalesced(obj, s, max_bytes)
+        s.finish()
+        return out
     except (_Careful, RecursionError):  # an object the careful walk moves, or deep nesting
         return _carefully(obj, p, rec)
     if len(rec) > 2 and not _distinct(rec[::2]):  # a tensor met twice, or two over one memory
@@ -351,10 +317,15 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk) -> Any:
 
 def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:
     """The careful walk after an optimistic one, reusing the copies it made (the first of each source)."""
-    s = State(p, dict(zip(map(id, rec[-2::-2]), rec[::-2])))
+    s = State(p, _made(rec))
     out = _run(obj, s, obj)
     s.finish()
     return out
+
+
+def _made(rec: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """The copies an optimistic walk recorded, by id of their source (the first copy of each)."""
+    return dict(zip(map(id, rec[-2::-2]), rec[::-2]))
 
 
 def _run(x: Any, s: State, original: Any) -> Any:
@@ -558,13 +529,11 @@ def move(
         p = _with_options(p, skip_keys, coalesce_max_bytes)
     if coalesce is None:
         coalesce = p.coalesce
-    elif coalesce:
-        coalesce = p.dev.type != "cpu"
-    if stream is None and not coalesce and not strict:
+    if stream is None and not strict and (not coalesce or p.gathers):
         if type(obj) is _Tensor:  # a bare tensor: nothing to walk or alias
             return p.one(obj)  # type: ignore[arg-type,return-value]
         if p.walk is not None and not _compiled_region():
-            return _host(obj, p, p.walk)  # type: ignore[no-any-return]
+            return _host(obj, p, p.walk, coalesce, coalesce_max_bytes)  # type: ignore[no-any-return]
     if _compiled_region():  # run as plain Python by a compiled function: see _traced.in_compiled_region
         return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=p.skip)  # type: ignore[no-any-return]
     if strict:
@@ -585,18 +554,46 @@ move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
 
 
 def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
-    """Pack the small host tensors, send them in one copy, then move the rest around their views."""
+    """Pack the small tensors, send them in one copy, then move the rest around their views.
+
+    To an accelerator, the small host tensors are packed on the host. To the CPU, the small tensors
+    of each accelerator are packed there, in one new buffer, and that comes back in one copy.
+    """
     p = s.plan
     try:
-        taken = _layout.take(obj, max_bytes, p.dtype, skip=p.skip)
+        taken = _layout.take(obj, max_bytes, p.dtype, skip=p.skip, devices=p.gathers)
+        if len(taken.tensors) < 1 + p.gathers:  # nothing to pack; to the CPU, a single tensor goes alone
+            return _run(obj, s, obj)
+        views = _gathered(s, taken) if p.gathers else _send(s, _staged(taken, p), taken.layout)
     except RecursionError:
         return _run(obj, s, obj)  # deep or cyclic: the walk handles or reports it
     except LeafError as failure:
         _walk.explain(failure, obj, p.dev, skip=p.skip)
-    if not taken.tensors:
-        return _run(obj, s, obj)
-    s.views, s.aliases = _send(s, _staged(taken, p), taken.layout), {}
+    s.views, s.aliases = views, {}
     return _run(taken.skeleton, s, obj)
+
+
+def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
+    """The taken tensors, off the host, copied to it: one buffer gathered per accelerator, one copy each."""
+    tensors = taken.tensors
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    views: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for dev, indices in by_device.items():
+        picked = _layout.pick(tensors, indices)
+        if len(picked) == 1 or not _stream.is_accelerator(dev):  # alone, or meta: each copied as it is
+            got = [_copy(t, s) for t in picked]
+        else:
+            lay = taken.layout
+            if len(by_device) > 1:
+                lay = _layout.layout(tuple(t.dtype for t in picked), tuple(t.shape for t in picked), s.plan.dtype)
+            if s.streams is not None:
+                _order(picked[0], s)
+            got = _layout.read(_landed(s, _layout.gathered(picked, lay, dev)), lay, s.plan.dtype, made=s.buffers)
+        for i, view in zip(indices, got):
+            views[i] = view
+    return views
 
 
 def _staged(taken: _layout.Taken, p: Plan) -> torch.Tensor:
@@ -629,6 +626,24 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
             _walk.raise_with_message(err, msg)
         s.buffers.append(buffer)
     return _layout.read(buffer, lay, p.dtype, made=s.buffers)
+
+
+def _landed(s: State, buffer: torch.Tensor) -> torch.Tensor:
+    """A gathered buffer copied to the host once: asynchronously into pinned memory up to
+    ``PINNED_RESULT_MAX_BYTES`` (the device is waited for before the move returns), otherwise, or
+    with a cast to make on the host at once, with a blocking copy into pageable memory."""
+    p, dev = s.plan, buffer.device
+    host = None
+    if p.to_host and p.dtype is None and buffer.numel() <= PINNED_RESULT_MAX_BYTES:
+        host = _stream.pinned(buffer.numel(), torch.uint8, dev)
+    if host is None:
+        host = torch.empty(buffer.numel(), dtype=torch.uint8)
+        host.copy_(buffer)
+    else:
+        host.copy_(buffer, non_blocking=True)
+        s.waits.add(dev)
+    s.buffers.append(host)
+    return host
 
 
 def unpack(s: State, batch: Any) -> Any:

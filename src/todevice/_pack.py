@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _move, _traced, _walk
+from todevice import _layout, _move, _options, _traced, _walk
 
 _needs_grad = operator.attrgetter("requires_grad")
 
 
-def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _move.COALESCE_MAX_BYTES) -> PackedBatch:
+def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.COALESCE_MAX_BYTES) -> PackedBatch:
     """Pack every plain dense host tensor of ``obj`` up to ``max_bytes`` into one buffer: the host half of a transfer.
 
     The result holds one uint8 buffer with the bytes of every packed tensor (each at a 16-byte
@@ -51,7 +51,7 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _move.COA
     .. versionadded:: 0.1.0
     """
     if max_bytes is not None:
-        _move.check_max_bytes(max_bytes, "pack with max_bytes")
+        _options.check_max_bytes(max_bytes, "pack with max_bytes")
     if _traced.compiling():  # nothing packed, every tensor loose: see _traced.unpack
         return PackedBatch(torch.empty(0, dtype=torch.uint8), _traced.NOTHING_PACKED, obj, (), loose=1)
     try:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _tree, _walk
+from todevice import _layout, _options, _tree, _walk
 
 _OrderedDict, _defaultdict, _deque = collections.OrderedDict, collections.defaultdict, collections.deque
 
@@ -111,15 +111,7 @@ def _non_blocking(non_blocking: bool, dev: torch.device) -> bool:
 
 
 def _skip_set(skip_keys: str | Collection[str] | None) -> frozenset[str]:
-    if skip_keys is None:
-        return frozenset()
-    if isinstance(skip_keys, str):
-        return frozenset((skip_keys,))
-    keys = frozenset(skip_keys)
-    if not all(isinstance(k, str) for k in keys):
-        msg = f"Cannot skip keys {skip_keys!r}: skip_keys takes a str or a collection of str."
-        raise TypeError(msg)
-    return keys
+    return frozenset() if skip_keys is None else _options.skip_set(skip_keys)
 
 
 class _How:

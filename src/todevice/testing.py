@@ -53,7 +53,7 @@ except ImportError as err:  # pragma: no cover - exercised by removing hypothesi
     raise ImportError(_msg, name="hypothesis") from err
 
 import todevice
-from todevice import _move, _tree
+from todevice import _options, _tree
 
 __all__ = [  # noqa: RUF022 (grouped: strategies, checks, the classes the strategies make)
     # strategies
@@ -697,7 +697,7 @@ def _loses_type(tp: type) -> bool:
 
 def _skip_set(skip_keys: Any) -> frozenset[str]:
     """The keys to skip, read as move() reads them (the same TypeError for anything else)."""
-    return frozenset() if skip_keys is None else _move._skip_set(skip_keys)
+    return frozenset() if skip_keys is None else _options.skip_set(skip_keys)
 
 
 def _on(actual: torch.device, target: torch.device) -> bool:

@@ -21,18 +21,14 @@ _setup_privateuseone_for_python_backend("tdtest")
 
 COPIES = {"h2d": 0, "d2h": 0, "d2d": 0}
 NON_BLOCKING: list[tuple[str, bool]] = []  # (direction, non_blocking) of every copy
+KERNELS = {"cat": 0, "foreach_copy": 0}  # kernels run on the device, by op
 
 
-class TDTensor(torch.Tensor):
-    raw: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-
-def wrap(raw: torch.Tensor) -> TDTensor:
+def wrap(raw: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.Tensor`` on tdtest, as a real backend's are, its data in ``raw`` on the host."""
     t = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
-    t.__class__ = TDTensor
     t.raw = raw  # type: ignore[attr-defined]
-    return t  # type: ignore[return-value]
+    return t
 
 
 def impl(name: str) -> Any:
@@ -48,14 +44,14 @@ def empty(
     device: Any = None,
     pin_memory: Any = None,
     memory_format: Any = None,
-) -> TDTensor:
+) -> torch.Tensor:
     return wrap(torch.empty(size, dtype=dtype or torch.float32))
 
 
 @impl("aten::empty_strided")
 def empty_strided(
     size: Any, stride: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None
-) -> TDTensor:
+) -> torch.Tensor:
     return wrap(torch.empty(size, dtype=dtype or torch.float32))
 
 
@@ -77,45 +73,65 @@ def copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) 
 
 
 @impl("aten::view")
-def view(t: Any, size: Any) -> TDTensor:
+def view(t: Any, size: Any) -> torch.Tensor:
     return wrap(t.raw.view(size))
 
 
 @impl("aten::view.dtype")
-def view_dtype(t: Any, dtype: torch.dtype) -> TDTensor:
+def view_dtype(t: Any, dtype: torch.dtype) -> torch.Tensor:
     return wrap(t.raw.view(dtype))
 
 
 @impl("aten::as_strided")
-def as_strided(t: Any, size: Any, stride: Any, storage_offset: Any = None) -> TDTensor:
+def as_strided(t: Any, size: Any, stride: Any, storage_offset: Any = None) -> torch.Tensor:
     return wrap(t.raw.as_strided(size, stride, storage_offset))
 
 
 @impl("aten::slice.Tensor")
-def slice_(t: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> TDTensor:
+def slice_(t: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> torch.Tensor:
     return wrap(torch.ops.aten.slice.Tensor(t.raw, dim, start, end, step))
 
 
 @impl("aten::select.int")
-def select(t: Any, dim: int, index: int) -> TDTensor:
+def select(t: Any, dim: int, index: int) -> torch.Tensor:
     return wrap(t.raw.select(dim, index))
 
 
 @impl("aten::unbind.int")
-def unbind(t: Any, dim: int = 0) -> list[TDTensor]:
+def unbind(t: Any, dim: int = 0) -> list[torch.Tensor]:
     return [wrap(r) for r in t.raw.unbind(dim)]
 
 
 @impl("aten::detach")
-def detach(t: Any) -> TDTensor:
+def detach(t: Any) -> torch.Tensor:
     return wrap(t.raw.detach())
 
 
 @impl("aten::alias")
-def alias(t: Any) -> TDTensor:
+def alias(t: Any) -> torch.Tensor:
     return wrap(t.raw)
 
 
 @impl("aten::_reshape_alias")
-def reshape_alias(t: Any, size: Any, stride: Any) -> TDTensor:
+def reshape_alias(t: Any, size: Any, stride: Any) -> torch.Tensor:
     return wrap(t.raw.as_strided(size, stride))
+
+
+@impl("aten::cat")
+def cat(tensors: Any, dim: int = 0) -> torch.Tensor:
+    KERNELS["cat"] += 1
+    return wrap(torch.cat([t.raw for t in tensors], dim))
+
+
+@impl("aten::cat.out")
+def cat_out(tensors: Any, dim: int = 0, *, out: Any) -> torch.Tensor:
+    KERNELS["cat"] += 1
+    torch.cat([t.raw for t in tensors], dim, out=out.raw)
+    return out
+
+
+@impl("aten::_foreach_copy_")
+def foreach_copy(self: Any, src: Any, non_blocking: bool = False) -> None:
+    KERNELS["foreach_copy"] += 1
+    for dst, s in zip(self, src):
+        dst.raw.copy_(s.raw)

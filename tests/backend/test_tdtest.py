@@ -317,3 +317,151 @@ def test_the_devices_of_a_to_object_are_read_before_its_to_runs(monkeypatch: pyt
         graph = Graph(torch.ones(3).to("tdtest"))
         todevice.move({"g": graph}, "cpu")
     assert synced == [DEV]
+
+
+# ---------------------------------------------------------------- small device tensors to the host in one copy
+
+
+def on_device(tree: Any) -> Any:
+    with torch.inference_mode():
+        return todevice.move(tree, "tdtest", coalesce=False)
+
+
+def counted(fn: Any) -> tuple[Any, dict[str, int], dict[str, int]]:
+    """``fn()``, and the copies and device kernels it ran."""
+    copies, kernels = dict(tdtest.COPIES), dict(tdtest.KERNELS)
+    with torch.inference_mode():
+        out = fn()
+    return (
+        out,
+        {k: tdtest.COPIES[k] - copies[k] for k in copies},
+        {k: tdtest.KERNELS[k] - kernels[k] for k in kernels},
+    )
+
+
+def outputs() -> dict[str, Any]:
+    """A thousand small results of mixed dtypes and shapes: 0-dim, empty, non-contiguous, a name."""
+    return {
+        "loss": [torch.tensor(float(i)) for i in range(300)],
+        "logits": [torch.randn(4, 3) for _ in range(500)],
+        "ids": [torch.arange(i % 9) for i in range(150)],  # empty and ragged, int64
+        "mask": [torch.rand(5) > 0.5 for _ in range(40)],
+        "half": [torch.randn(2, 2).half() for _ in range(9)],
+        "t": torch.randn(6, 4).t(),  # non-contiguous on the host: a strided view on the device too
+        "name": "step-3",
+    }
+
+
+def test_a_thousand_small_device_tensors_come_back_in_one_copy() -> None:
+    tree = outputs()
+    there = on_device(tree)
+    back, copies, kernels = counted(lambda: todevice.move(there, "cpu"))
+    assert copies["h2d"] == 0 and copies["d2h"] == 1
+    # A kernel or two per group of the layout (a copy on the device for padded rows), not one per tensor.
+    groups = _layout.take(there, todevice.COALESCE_MAX_BYTES, None, devices=True).layout.groups
+    assert 1 <= sum(kernels.values()) + copies["d2d"] <= 2 * len(groups) < 40
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_without_coalescing_each_device_tensor_is_a_copy_back() -> None:
+    tree = {"x": [torch.randn(3) for _ in range(20)]}
+    there = on_device(tree)
+    back, copies, kernels = counted(lambda: todevice.move(there, "cpu", coalesce=False, non_blocking=False))
+    assert copies["d2h"] == 20 and sum(kernels.values()) == 0
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_a_single_device_tensor_comes_back_alone_without_a_gather() -> None:
+    tree = {"loss": torch.tensor(1.5), "step": 3, "host": torch.ones(2)}
+    there = {**tree, "loss": on_device(tree["loss"])}
+    back, copies, kernels = counted(lambda: todevice.move(there, "cpu", non_blocking=False))
+    assert copies["d2h"] == 1 and sum(kernels.values()) == 0
+    assert back["host"] is there["host"]  # on the host already: the very same tensor
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_large_device_tensors_come_back_alone_and_small_ones_together() -> None:
+    tree = {"big": torch.randn(1 << 15), "small": [torch.randn(2) for _ in range(5)]}
+    back, copies, _ = counted(lambda: todevice.move(on_device(tree), "cpu"))
+    assert copies["d2h"] == 2
+    assert back["big"].untyped_storage().nbytes() == tree["big"].nbytes  # its own allocation
+    # A kept small result holds the small results' buffer at most, never the large one's memory.
+    assert back["small"][0].untyped_storage().nbytes() == 5 * 16
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_a_cast_on_the_way_back_in_one_copy(dtype: torch.dtype) -> None:
+    tree = {"f": [torch.randn(3) for _ in range(10)], "i": [torch.arange(3) for _ in range(3)]}
+    back, copies, _ = counted(lambda: todevice.move(on_device(tree), "cpu", dtype=dtype))
+    assert copies["d2h"] == 1
+    helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu", dtype), values=True)
+
+
+def test_repeated_and_tied_device_tensors_stay_so_on_the_host() -> None:
+    with torch.inference_mode():
+        t = torch.randn(4).to("tdtest")
+        tree = {"a": t, "b": [t], "other": torch.randn(4).to("tdtest"), "more": torch.randn(2).to("tdtest")}
+    back, copies, _ = counted(lambda: todevice.move(tree, "cpu"))
+    assert copies["d2h"] == 1
+    assert back["a"] is back["b"][0]
+    assert torch.equal(back["a"], t.raw) and torch.equal(back["other"], tree["other"].raw)
+
+
+def test_skipped_device_tensors_stay_on_the_device() -> None:
+    there = on_device({"x": [torch.randn(2) for _ in range(4)], "cache": torch.randn(3)})
+    back, copies, _ = counted(lambda: todevice.move(there, "cpu", skip_keys="cache"))
+    assert copies["d2h"] == 1 and back["cache"] is there["cache"]
+    assert all(x.is_cpu for x in back["x"])
+
+
+def test_small_results_land_in_pinned_memory_without_a_wait_per_tensor(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    tree = {"x": [torch.randn(4) for _ in range(100)]}
+    there = on_device(tree)
+    del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
+    back, _, _ = counted(lambda: todevice.move(there, "cpu"))
+    assert tdtest.NON_BLOCKING == [("d2h", True)]  # one asynchronous copy into pinned memory
+    assert pinned_stand_in == [1600]
+    assert synced == [DEV]  # one wait, for the one device, before move() returns
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_results_over_the_pinned_limit_are_copied_back_blocking(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_move, "PINNED_RESULT_MAX_BYTES", 1024)
+    tree = {"x": [torch.randn(4) for _ in range(100)]}  # 1,600 bytes together
+    there = on_device(tree)
+    del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
+    back, _, _ = counted(lambda: todevice.move(there, "cpu"))
+    assert tdtest.NON_BLOCKING == [("d2h", False)] and pinned_stand_in == []
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_tensors_of_another_device_are_not_gathered_with_these() -> None:
+    """One buffer per source device: a meta tensor is copied alone, and its error names its path."""
+    with torch.inference_mode():
+        tree = {"x": [torch.randn(2).to("tdtest") for _ in range(3)], "m": [torch.ones(2, device="meta")]}
+        with pytest.raises(NotImplementedError, match=r"Cannot move \['m'\]\[0\] \(Tensor of shape \(2,\)"):
+            todevice.move(tree, "cpu")
+
+
+def test_gradients_flow_back_through_results_that_need_them() -> None:
+    x = torch.randn(3, requires_grad=True)
+    there = {"y": x.to("tdtest"), "n": [torch.randn(2).to("tdtest") for _ in range(3)]}
+    back = todevice.move(there, "cpu", non_blocking=False)
+    assert back["y"].requires_grad and not back["n"][0].requires_grad
+    back["y"].sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.ones(3))
+
+
+@given(strategies.trees)
+def test_random_trees_come_back_through_one_copy(tree: Any) -> None:
+    there = on_device(tree)
+    with torch.inference_mode():
+        back = todevice.move(there, "cpu", coalesce_max_bytes=64, non_blocking=False)
+    helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
