@@ -24,6 +24,7 @@ LAYERS = [
     "_stream",
     "_walk",
     "_layout",
+    "_into",
     "_traced",
     "_move",
     "_pack",

@@ -263,20 +263,32 @@ def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torc
     source's strides, as ``.to()`` does. None for a source this does not apply to: already pinned (it
     is sent as it is, never read on the host), a subclass, sparse, or one autograd must follow.
     """
-    if (
+    if not stageable(t):
+        return None
+    out = torch.empty_like(t, dtype=cast or t.dtype, device=dev)  # a dense source's strides, as .to() keeps them
+    fill(out, t)
+    return out
+
+
+def stageable(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a pageable host tensor that :func:`fill` sends: not pinned (that one is sent as it
+    is, never read on the host), not a subclass, not sparse, and not one autograd must follow."""
+    return not (
         type(t) is not _Tensor
         or t.layout is not torch.strided
         or t.is_nested
         or t.dtype not in DENSE_DTYPES
         or (t.requires_grad and torch.is_grad_enabled())
         or t.is_pinned()
-    ):
-        return None
-    final = cast or t.dtype
-    out = torch.empty_like(t, dtype=final, device=dev)  # a dense source's strides, as .to() keeps them
+    )
+
+
+def fill(out: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy ``t``, a :func:`stageable` host tensor, into ``out``, dense on an accelerator, through pinned chunks."""
+    dev, final = out.device, out.dtype
     n = t.numel()
     if n == 0:
-        return out
+        return
     src = t
     if out.stride() != t.stride():  # overlapping or with gaps: laid out as the result first, as .to() does
         src = torch.empty_like(out, dtype=t.dtype, device="cpu")
@@ -306,10 +318,34 @@ def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torc
                 oldest, nbytes = in_flight.popleft()
                 oldest.synchronize()
                 queued -= nbytes
-    return out
 
 
 # ---------------------------------------------------------------- taking the tensors out
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """``t.nbytes``; 0 for a sparse tensor, which has none."""
+    try:
+        return t.nbytes
+    except RuntimeError:
+        return 0
+
+
+def distinct(sources: list[torch.Tensor]) -> bool:
+    """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
+    try:
+        if len(sources) == 2:  # a common small batch: no set to build
+            if sources[0].data_ptr() != sources[1].data_ptr():
+                return True
+        elif len(set(map(_data_ptr, sources))) == len(sources):
+            return True
+        ptrs = list(map(_data_ptr, sources))
+    except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
+        return False
+    # Meta and empty tensors all sit at address 0 and share nothing: they are told apart by identity.
+    held = [p for p in ptrs if p]
+    empty = [id(t) for t, p in zip(sources, ptrs) if not p]
+    return len(set(held)) == len(held) and len(set(empty)) == len(empty)
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

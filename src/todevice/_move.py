@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.nn.utils.rnn import PackedSequence
 
-from todevice import _layout, _options, _stream, _traced, _tree, _walk
+from todevice import _into, _layout, _options, _stream, _traced, _tree, _walk
 from todevice._options import COALESCE_MAX_BYTES
 from todevice._stream import DeviceLike
 from todevice._walk import LeafError
@@ -99,7 +99,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
                 return out
         nb = non_blocking
         if to_host:
-            nb = _nbytes(t) <= PINNED_RESULT_MAX_BYTES
+            nb = _layout.nbytes(t) <= PINNED_RESULT_MAX_BYTES
         elif mps:  # pageable-to-MPS async copies can return zeros (pytorch#83015): only pinned sources go async
             nb = nb and t.is_pinned()
         return t.to(dev, cast, non_blocking=nb)
@@ -159,13 +159,6 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
     return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host or gathers, gathers, to_host, skip)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    try:
-        return t.nbytes
-    except RuntimeError:  # sparse tensors have no nbytes
-        return 0
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -269,26 +262,6 @@ def _order(t: torch.Tensor, s: State) -> None:
         s.ordered = True
 
 
-_data_ptr = _Tensor.data_ptr
-
-
-def _distinct(sources: list[torch.Tensor]) -> bool:
-    """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
-    try:
-        if len(sources) == 2:  # a common small batch: no set to build
-            if sources[0].data_ptr() != sources[1].data_ptr():
-                return True
-        elif len(set(map(_data_ptr, sources))) == len(sources):
-            return True
-        ptrs = list(map(_data_ptr, sources))
-    except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
-        return False
-    # Meta and empty tensors all sit at address 0 and share nothing: they are told apart by identity.
-    held = [p for p in ptrs if p]
-    empty = [id(t) for t, p in zip(sources, ptrs) if not p]
-    return len(set(held)) == len(held) and len(set(empty)) == len(empty)
-
-
 def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> Any:
     """A move to the host: the optimistic walk, and the careful one only where the batch needs it.
 
@@ -308,7 +281,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         return out
     except (_Careful, RecursionError):  # an object the careful walk moves, or deep nesting
         return _carefully(obj, p, rec)
-    if len(rec) > 2 and not _distinct(rec[::2]):  # a tensor met twice, or two over one memory
+    if len(rec) > 2 and not _layout.distinct(rec[::2]):  # a tensor met twice, or two over one memory
         return _carefully(obj, p, rec)
     if p.to_host and rec:
         _wait_for(rec[::2])
@@ -451,7 +424,7 @@ def _to_object(obj: Any, s: State) -> Any:
 
 def move(
     obj: T,
-    device: DeviceLike,
+    device: DeviceLike | None = None,
     /,
     *,
     non_blocking: bool = True,
@@ -461,6 +434,7 @@ def move(
     stream: torch.Stream | None = None,
     strict: bool = False,
     skip_keys: str | Collection[str] | None = None,
+    out: T | None = None,
 ) -> T:
     """Move every tensor in a nested structure to ``device``; containers and other values are kept.
 
@@ -521,6 +495,11 @@ def move(
 
     .. versionadded:: 0.1.0
     """
+    if out is not None:
+        opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
+        if _compiled_region():  # in a frame dynamo gave up on: see _traced.compiled
+            return _traced.compiled(obj, device, **dict(zip(_OPTIONS, opts)), out=out)  # type: ignore[arg-type,no-any-return]
+        return _into.into(obj, out, device, *opts)  # type: ignore[no-any-return]
     try:
         p = _plans[type(device), device, non_blocking, dtype]
     except (KeyError, TypeError):  # not seen yet, or unhashable: _plan_for says what is wrong
@@ -545,8 +524,10 @@ def move(
         out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
         _stream.hand_over(stream, user, s.outputs())
     s.finish()
-    return out  # type: ignore[no-any-return]
+    return out
 
+
+_OPTIONS = ("non_blocking", "dtype", "coalesce", "coalesce_max_bytes", "stream", "strict", "skip_keys")
 
 # Where dynamo would inline move(), it inlines this instead (the attribute torch sets on its own
 # compiled and scripted functions): per-leaf copies it traces, at no cost to eager calls.

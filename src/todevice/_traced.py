@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _options, _tree, _walk
+from todevice import _into, _layout, _options, _tree, _walk
 
 _OrderedDict, _defaultdict, _deque = collections.OrderedDict, collections.defaultdict, collections.deque
 
@@ -59,7 +59,7 @@ def compiling() -> bool:
 
 def compiled(
     obj: Any,
-    device: Any,
+    device: Any = None,
     /,
     *,
     non_blocking: bool = True,
@@ -69,6 +69,7 @@ def compiled(
     stream: Any = None,
     strict: bool = False,
     skip_keys: str | Collection[str] | None = None,
+    out: Any = None,
 ) -> Any:
     """What dynamo traces in place of :func:`todevice.move`: its signature, and per-leaf copies.
 
@@ -77,6 +78,12 @@ def compiled(
     eager move's own checks raise with their full message. (A device string that torch does not
     know fails while tracing, with torch's message.)
     """
+    if out is not None:
+        # Copies into out= run as they do eagerly, between two graphs (a graph break): they check every
+        # pair before writing, and write memory that the graph before and the graph after read.
+        max_bytes = _options.COALESCE_MAX_BYTES if coalesce_max_bytes is None else coalesce_max_bytes
+        eager = torch.compiler.disable(_into.into)  # type: ignore[no-untyped-call]
+        return eager(obj, out, device, non_blocking, dtype, coalesce, max_bytes, stream, strict, skip_keys)
     dev = _device(device)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
         msg = f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only."

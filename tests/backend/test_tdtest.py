@@ -14,7 +14,7 @@ from hypothesis import given
 import todevice
 from tests import helpers, strategies
 from tests.backend import tdtest
-from todevice import _layout, _move
+from todevice import _into, _layout, _move
 
 DEV = torch.device("tdtest", 0)
 
@@ -465,3 +465,64 @@ def test_random_trees_come_back_through_one_copy(tree: Any) -> None:
     with torch.inference_mode():
         back = todevice.move(there, "cpu", coalesce_max_bytes=64, non_blocking=False)
     helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
+
+
+# ---------------------------------------------------------------- into static buffers: move(batch, out=static)
+
+
+def step(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": [torch.randn(3, generator=g) for _ in range(100)],
+        "ids": torch.randint(0, 9, (7,), generator=g),
+        "half": torch.randn(2, 3, generator=g).half(),
+        "big": torch.randn(1 << 15, generator=g),
+        "name": f"step-{seed}",
+    }
+
+
+@pytest.fixture
+def one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tdtest's views keep no storage of their own: the library's span check, run on the host memory behind them."""
+
+    def span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
+        host = real_span([t.raw for t in targets], lay)  # type: ignore[attr-defined]
+        return None if host is None else tdtest.wrap(host)
+
+    real_span = _into._span
+    monkeypatch.setattr(_into, "_span", span)
+
+
+def test_into_one_device_buffer_in_one_copy(one_buffer: None, pinned_stand_in: list[int]) -> None:
+    with torch.inference_mode():
+        static = todevice.move(step(0), "tdtest")  # the small tensors: views of one device buffer
+    kept = [t.raw.data_ptr() for t in static["x"]]
+    for seed in (1, 2, 3):
+        b = step(seed)
+        del tdtest.NON_BLOCKING[:]
+        got, copies, _ = counted(lambda b=b: todevice.move(b, out=static))
+        assert got is static and [t.raw.data_ptr() for t in static["x"]] == kept
+        # The 102 small tensors in one asynchronous copy, the large one in its own chunks of 1 KiB.
+        assert copies["h2d"] == 1 + b["big"].nbytes // 1024 and copies["d2h"] == 0
+        assert all(nb for kind, nb in tdtest.NON_BLOCKING)
+        back = todevice.move(static, "cpu", non_blocking=False)
+        helpers.assert_same_tree({**back, "name": b["name"]}, b, values=True, same=False)
+
+
+def test_into_separate_device_tensors_a_copy_each() -> None:
+    with torch.inference_mode():
+        static = todevice.move(step(0), "tdtest")  # seen as separate tensors: no span on tdtest
+    b = step(1)
+    _, copies, _ = counted(lambda: todevice.move(b, out=static))
+    assert copies["h2d"] == 102 + 1
+    back = todevice.move(static, "cpu", non_blocking=False)
+    helpers.assert_same_tree({**back, "name": b["name"]}, b, values=True, same=False)
+
+
+def test_into_device_buffers_from_device_tensors() -> None:
+    with torch.inference_mode():
+        static = todevice.move({"a": torch.zeros(3), "b": torch.zeros(2)}, "tdtest")
+        src = todevice.move({"a": torch.ones(3), "b": torch.full((2,), 2.0)}, "tdtest")
+    _, copies, _ = counted(lambda: todevice.move(src, out=static))
+    assert copies == {"h2d": 0, "d2h": 0, "d2d": 2}
+    assert torch.equal(static["a"].raw, torch.ones(3)) and torch.equal(static["b"].raw, torch.full((2,), 2.0))

@@ -1,0 +1,354 @@
+"""move(batch, out=static): each tensor of a batch copied into the matching tensor of a structure that stays.
+
+CUDA graphs and persistent inference buffers read the same device memory on every step. Each step,
+the batch's tensors are paired with ``static``'s by path, every pair is checked before anything is
+written, and the copies go in order on the current stream, after the work queued there that reads
+``static``. The small host tensors are written into one staging buffer (page-locked where the target
+is an accelerator). When their destinations are views of one buffer laid out as coalescing lays them
+out, which is what ``move(example, device)`` returns for small tensors, that staging buffer is sent
+into it with one copy; otherwise each goes with a copy of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Collection
+from typing import Any, NamedTuple
+
+import torch
+
+from todevice import _layout, _options, _stream, _tree, _walk
+
+_Tensor = torch.Tensor
+
+
+class _Mismatch(Exception):
+    """Internal: the batch and ``out`` differ here; the path grows as the error leaves each container."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+        self.path = ""
+
+
+def into(
+    batch: Any,
+    out: Any,
+    device: Any,
+    non_blocking: bool,
+    dtype: torch.dtype | None,
+    coalesce: bool | None,
+    max_bytes: int,
+    stream: Any,
+    strict: bool,
+    skip_keys: str | Collection[str] | None,
+) -> Any:
+    """``move(batch, device, out=out, ...)``: ``out`` itself, its tensors holding ``batch``'s values."""
+    dev = None if device is None else _stream.resolve_device(device)
+    if dtype is not None:
+        _options.check_dtype(dtype)
+    _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
+    skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
+    if stream is not None:
+        msg = (
+            "Cannot copy into out= on a side stream: the copies overwrite memory that work on the current "
+            "stream may still read, so they go on the current stream, in order after it. Pass stream=None."
+        )
+        raise TypeError(msg)
+    if strict:
+        _walk.refuse_unknown(batch, skip)
+    found = pairs(batch, out, skip)
+    sources, targets = found[0::2], found[1::2]
+    read = _check(sources, targets, out, dev, dtype)
+    with torch.no_grad():
+        _copy(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
+    return out
+
+
+# ---------------------------------------------------------------- pairing the two structures
+
+
+def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order.
+
+    Raises:
+        ValueError: the structures differ; the message names the first path where they do.
+    """
+    found: list[torch.Tensor] = []
+    try:
+        _pair(batch, out, found, skip)
+    except _Mismatch as m:
+        msg = f"Cannot copy into out: at {_walk.format_path(m.path)}, {m.why} Nothing was copied."
+        raise ValueError(msg) from None
+    except RecursionError:
+        msg = "Cannot copy into out: the batch is nested deeper than Python's recursion limit, or contains itself."
+        raise ValueError(msg) from None
+    return found
+
+
+def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
+    tp = type(a)
+    if tp is dict and type(b) is dict:  # the common case, inline: pairs by key, in the batch's order
+        if len(a) != len(b) and (not skip or a.keys() - skip != b.keys() - skip):
+            raise _Mismatch(_keys_differ(a, b))
+        for k, v in a.items():
+            if k in skip:
+                continue
+            w = b.get(k, _MISSING)
+            if type(v) is _Tensor and type(w) is _Tensor:
+                found.append(v)
+                found.append(w)
+                continue
+            if w is _MISSING:
+                raise _Mismatch(_keys_differ(a, b))
+            try:
+                _pair(v, w, found, skip)
+            except _Mismatch as m:
+                m.path = f"[{k!r}]{m.path}"
+                raise
+        return
+    code = _code(a)
+    if code == _tree.TENSOR:
+        if not isinstance(b, torch.Tensor):
+            raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has a {_walk.describe(a)}.")
+        found.append(a)
+        found.append(b)
+        return
+    if code == _tree.NODE:
+        _pair_children(a, b, found, skip)
+        return
+    if code in (_tree.TO, _tree.OWN):
+        why = "an object with its own .to()" if code == _tree.TO else "a PackedBatch (unpack it first)"
+        raise _Mismatch(
+            f"the batch holds {_walk.describe(a)}, {why}, whose tensors out= cannot pair with out's. "
+            f"Register its type with todevice.register(), or pass skip_keys."
+        )
+    if _code(b) in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
+        raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has {_walk.describe(a)}.")
+
+
+_MISSING: Any = object()
+
+
+def _code(x: Any) -> int:
+    return _tree.kind_of(type(x)).code
+
+
+def _keys_differ(a: Any, b: Any) -> str:
+    missing = [k for k in a if k not in b]
+    extra = [k for k in b if k not in a]
+    return f"the keys differ: the batch has {missing} that out has not, and out has {extra} that the batch has not."
+
+
+def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
+    """A container's children, paired with those of ``b``: by key or name where they have one, else by position."""
+    if type(b) is not type(a):
+        raise _Mismatch(f"out holds a {type(b).__qualname__} where the batch has a {type(a).__qualname__}.")
+    kind = _tree.kind_of(type(a))
+    assert kind.flatten is not None and kind.entry is not None
+    children, aux = _walk.guarded(a, kind.flatten, a)
+    theirs, their_aux = _walk.guarded(b, kind.flatten, b)
+    if len(theirs) != len(children) and kind.keys is None:
+        raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
+    keys = kind.keys(aux) if kind.keys is not None else None
+    if type(a) is not list and type(a) is not tuple:
+        # Items, fields and attributes, each known by its path entry (['x'], .field): paired by it.
+        mine = [kind.entry(aux, i) for i in range(len(children))]
+        by_entry = dict(zip((kind.entry(their_aux, i) for i in range(len(theirs))), theirs))
+        if len(by_entry) != len(mine) or any(e not in by_entry for e in mine):
+            missing = [e for e in mine if e not in by_entry]
+            extra = [e for e in by_entry if e not in mine]
+            raise _Mismatch(f"the batch has {missing} that out has not, and out has {extra} that the batch has not.")
+        theirs = [by_entry[e] for e in mine]
+    for i, (v, w) in enumerate(zip(children, theirs)):
+        if keys is not None and keys[i] in skip:
+            continue
+        try:
+            _pair(v, w, found, skip)
+        except _Mismatch as m:
+            m.path = kind.entry(aux, i) + m.path
+            raise
+
+
+# ---------------------------------------------------------------- checking every pair, then copying
+
+
+_shape, _dtype, _device = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
+_is_cpu, _is_meta, _grad = (
+    operator.attrgetter("is_cpu"),
+    operator.attrgetter("is_meta"),
+    operator.attrgetter("requires_grad"),
+)
+_pick = _layout.pick
+_nbytes, _data_ptr = operator.attrgetter("nbytes"), _Tensor.data_ptr
+
+
+class _Read(NamedTuple):
+    """What the check read of every pair, each in one C loop, for the copies to use again."""
+
+    shapes: list[torch.Size]  # the targets' (and, checked, the sources')
+    dtypes: list[torch.dtype]  # the targets'
+    on_host: list[bool]  # the sources'
+
+
+def _check(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
+) -> _Read:
+    """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written.
+
+    Each property is read in one C loop; the pair at fault is looked for only when there is one.
+    """
+    shapes, dtypes, on_host = list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources))
+    if (
+        dtype is None
+        and shapes == list(map(_shape, sources))
+        and dtypes == list(map(_dtype, sources))
+        and (dev is None or all(d == dev for d in map(_device, targets)))
+        and (all(on_host) or not any(t.is_meta for t in sources))
+        and not (torch.is_grad_enabled() and any(map(_grad, sources)))
+        and len(set(map(id, targets))) == len(targets)
+    ):
+        return _Read(shapes, dtypes, on_host)
+    _fault(sources, targets, out, dev, dtype)
+    return _Read(shapes, dtypes, on_host)
+
+
+def _fault(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
+) -> None:
+    """Raise ValueError for the first pair that cannot be copied, naming its path in ``out``."""
+    seen: dict[int, torch.Tensor] = {}
+    for src, dst in zip(sources, targets):
+        why = None
+        expected = dtype if dtype is not None and _options.casts(src) else src.dtype
+        if dst.shape != src.shape:
+            why = f"out's tensor has shape {tuple(dst.shape)} and the batch's {tuple(src.shape)}."
+        elif dst.dtype != expected:
+            cast = f" (cast to {dtype})" if expected is not src.dtype else ""
+            why = f"out's tensor is {dst.dtype} and the batch's is {expected}{cast}."
+        elif dev is not None and dst.device != dev:
+            why = f"out's tensor is on {dst.device}, not on {dev}, the device asked for."
+        elif src.is_meta or src.layout is not torch.strided:
+            why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
+        elif src.requires_grad and torch.is_grad_enabled():
+            why = "the batch's tensor requires grad, and autograd does not record a copy into out=: pass it detached."
+        elif seen.setdefault(id(dst), src) is not src:
+            why = "out holds this very tensor at two places where the batch holds two different tensors."
+        if why is not None:
+            path = _walk.format_path(_walk.find_path(out, dst) or "")
+            msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
+            raise ValueError(msg)
+
+
+def _copy(
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    read: _Read,
+    out: Any,
+    non_blocking: bool,
+    coalesce: bool,
+    max_bytes: int,
+) -> None:
+    """The copies, on the current stream: the small host tensors together, the rest alone."""
+    try:
+        small = [i for i, (host, n) in enumerate(zip(read.on_host, map(_nbytes, sources))) if host and n <= max_bytes]
+    except RuntimeError:  # a sparse tensor has no nbytes, and is no dense tensor to copy into out
+        _fault(sources, targets, out, None, None)  # names its path
+        raise
+    lay = None
+    every = len(small) == len(sources)
+    if small:
+        dtypes, shapes = (read.dtypes, read.shapes) if every else (_pick(read.dtypes, small), _pick(read.shapes, small))
+        try:
+            lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
+        except TypeError:  # a dtype a byte buffer does not hold: each alone
+            small, every = [], False
+    if not every:
+        together = set(small)
+        for i, (src, dst) in enumerate(zip(sources, targets)):
+            if i in together:
+                continue
+            try:
+                _alone(src, dst, non_blocking)
+            except Exception as err:
+                path = _walk.format_path(_walk.find_path(out, dst) or "")
+                _walk.raise_with_message(err, f"Cannot copy into out at {path} ({_walk.describe(src)}): {err}")
+    if lay is not None:
+        if not every:
+            sources, targets = _pick(sources, small), _pick(targets, small)
+        _together(sources, targets, lay, non_blocking, coalesce)
+
+
+def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+    """One copy: a large pageable host tensor through pinned chunks, anything else as ``copy_`` does it."""
+    if dst.is_cpu or dst.is_meta:
+        dst.copy_(src)  # into host memory: landed when move() returns
+    elif non_blocking and src.is_cpu and dst.is_contiguous() and _layout.stageable(src):
+        _layout.fill(dst, src)
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def _together(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], lay: _layout.Layout, non_blocking: bool, coalesce: bool
+) -> None:
+    """Small host tensors, copied together: in one copy where the targets are one buffer laid out as ``lay``.
+
+    Into host memory they are written straight into that buffer, or copied in one C++ loop. Anywhere
+    else they are written into one staging buffer first (page-locked for an accelerator), which is
+    sent with one copy, or cut into tensors that each go with a copy of their own.
+    """
+    span = _span(targets, lay) if coalesce else None
+    if span is not None and span.is_cpu:
+        _layout.write(span, lay, sources)
+        return
+    if span is None and all(map(_is_cpu, targets)):
+        torch._foreach_copy_(targets, sources)
+        return
+    dev = targets[0].device
+    staging = None
+    if non_blocking and _stream.is_accelerator(dev):
+        staging = _stream.pinned(lay.nbytes, torch.uint8, dev)
+    asynchronous = staging is not None
+    if staging is None:  # meta, a backend without pinned memory, or a blocking move: pageable, copied blocking
+        staging = torch.empty(lay.nbytes, dtype=torch.uint8)
+    _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
+    if span is not None:
+        span.copy_(staging, non_blocking=asynchronous)
+    else:
+        torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
+
+
+def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
+    """A byte view of the one buffer all ``targets`` are views of, where ``lay`` puts each, or None.
+
+    Every target must be a plain contiguous tensor at its layout offset from one base, inside the
+    first one's storage. Copying the whole span then writes each target's bytes, and the alignment
+    padding between them (under ``_layout.ALIGN`` bytes each), which no tensor of a coalesced move uses.
+    """
+    first = targets[0]
+    offsets = _offsets(lay)
+    base = first.storage_offset() * first.element_size() - offsets[0]
+    storage = first.untyped_storage()
+    if base < 0 or base + lay.nbytes > storage.nbytes():
+        return None
+    if set(map(type, targets)) != {_Tensor} or not all(map(_Tensor.is_contiguous, targets)):
+        return None
+    start = first.data_ptr() - offsets[0]
+    if start:  # where memory has addresses: each target at its offset from one start, in one storage's memory
+        if [p - start for p in map(_data_ptr, targets)] != list(offsets):
+            return None
+    else:  # meta tensors have none: the same storage, at the same offsets
+        key = storage._cdata
+        for t, offset in zip(targets, offsets):
+            if t.storage_offset() * t.element_size() - offset != base or t.untyped_storage()._cdata != key:
+                return None
+    return first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), base)
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets(lay: _layout.Layout) -> tuple[int, ...]:
+    """The byte offset of each tensor, in walk order, in a buffer laid out by ``lay``: read off a meta buffer."""
+    views = _layout.read(torch.empty(lay.nbytes, dtype=torch.uint8, device="meta"), lay)
+    return tuple(int(v.storage_offset()) * v.element_size() for v in views)

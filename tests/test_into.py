@@ -1,0 +1,306 @@
+"""move(batch, out=static): copies into a structure that stays, checked before anything is written."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import namedtuple
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import todevice
+from tests import helpers
+from todevice import _into, _layout
+
+
+def batch(seed: int, n: int = 100) -> dict[str, Any]:
+    """A step's inputs: small tensors of mixed dtypes and shapes, a large one, and values that are not tensors."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "x": [torch.randn(3, generator=g) for _ in range(n)],
+        "ids": torch.randint(0, 9, (7,), generator=g),
+        "mask": torch.rand(5, generator=g) > 0.5,
+        "scalar": torch.randn((), generator=g),
+        "half": torch.randn(2, 3, generator=g).half(),
+        "image": torch.randn(3, 64, 64, generator=g),  # 48 KiB: under the coalescing limit
+        "big": torch.randn(40_000, generator=g),  # 160 KiB: over it, its own allocation
+        "name": f"step-{seed}",
+    }
+
+
+def leaves(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree`` in walk order."""
+    return _into.pairs(tree, tree)[::2]
+
+
+class Copies(TorchDispatchMode):
+    """The copies into tensors on ``device``, as the dispatcher sees them: (op, number of targets)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device = device
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func)
+        if name.startswith("aten.copy_") and args[0].device.type == self.device:
+            self.seen.append((name, 1))
+        elif name.startswith("aten._foreach_copy_") and args[0] and args[0][0].device.type == self.device:
+            self.seen.append((name, len(args[0])))
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------- what comes back
+
+
+def test_out_itself_comes_back_its_tensors_holding_the_batch_s_values() -> None:
+    static = todevice.move(batch(0), "cpu")
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in static.items()}
+    static["x"] = [t.clone() for t in static["x"]]
+    before = {id(t): t.data_ptr() for t in leaves(static)}
+    for step in (1, 2, 3):
+        b = batch(step)
+        got = todevice.move(b, out=static)
+        assert got is static
+        assert {id(t): t.data_ptr() for t in leaves(static)} == before  # the same tensors, the same memory
+        helpers.assert_same_tree(
+            {k: v for k, v in static.items() if k != "name"},
+            {k: v for k, v in b.items() if k != "name"},
+            values=True,
+            same=False,
+        )
+        assert static["name"] == "step-0"  # values that are not tensors stay as out holds them
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_into_one_host_buffer_laid_out_as_coalescing_lays_it_out(coalesce: bool) -> None:
+    """The buffer that a coalesced move returns: each tensor lands at its place in it, none elsewhere."""
+    static = todevice.move(batch(0), "meta", coalesce=True)  # the layout of a coalesced move...
+    small = [t for t in leaves(static) if t.nbytes <= todevice.COALESCE_MAX_BYTES]
+    lay = _layout.layout(tuple(t.dtype for t in small), tuple(t.shape for t in small), None)
+    assert _into._span(small, lay) is not None  # ...which out= recognises
+    host = torch.full((lay.nbytes,), 0xAB, dtype=torch.uint8)  # ...and the same layout in host memory
+    views = _layout.read(host, lay)
+    host_static = batch(0)
+    it = iter(views)
+    host_static["x"] = [next(it) for _ in host_static["x"]]
+    for k in ("ids", "mask", "scalar", "half", "image"):
+        host_static[k] = next(it)
+    host_static["big"] = torch.zeros(40_000)
+    b = batch(5)
+    todevice.move(b, out=host_static, coalesce=coalesce)
+    for k in ("ids", "mask", "scalar", "half", "image", "big"):
+        assert torch.equal(host_static[k], b[k]), k
+    assert all(torch.equal(a, e) for a, e in zip(host_static["x"], b["x"]))
+    # The padding between the tensors is left as it was.
+    written = torch.zeros(lay.nbytes, dtype=torch.bool)
+    for v in views:
+        start = v.storage_offset() * v.element_size()
+        written[start : start + v.nbytes] = True
+    assert bool((host[~written] == 0xAB).all())
+
+
+def test_one_copy_when_the_targets_are_one_device_buffer() -> None:
+    static = todevice.move(batch(0), "meta", coalesce=True)
+    with Copies("meta") as copies:
+        todevice.move(batch(1), out=static)
+    # The small tensors in one copy of the staging buffer; the large one alone.
+    assert sorted(copies.seen) == [("aten.copy_.default", 1), ("aten.copy_.default", 1)]
+    with Copies("meta") as copies:
+        todevice.move({"x": batch(1)["x"]}, out={"x": static["x"]})
+    assert copies.seen == [("aten.copy_.default", 1)]
+
+
+def test_a_copy_each_when_the_targets_are_not_one_buffer() -> None:
+    static = todevice.move(batch(0), "meta", coalesce=False)
+    with Copies("meta") as copies:
+        todevice.move(batch(1), out=static)
+    assert ("aten._foreach_copy_.default", 105) in copies.seen  # the small ones, cut from one staging buffer
+    with Copies("meta") as copies:
+        todevice.move(batch(1), out=todevice.move(batch(0), "meta", coalesce=True), coalesce=False)
+    assert ("aten._foreach_copy_.default", 105) in copies.seen  # coalesce=False: never the one copy
+
+
+def test_the_device_may_be_named_and_must_then_hold_out() -> None:
+    static = todevice.move(batch(0), "meta", coalesce=True)
+    assert todevice.move(batch(1), "meta", out=static) is static
+    with pytest.raises(ValueError, match=r"at \['ids'\], out's tensor is on cpu, not on meta"):
+        todevice.move(batch(1), "meta", out={**static, "ids": torch.zeros(7, dtype=torch.int64)})
+
+
+def test_a_cast_on_the_way_in() -> None:
+    b = {"f": torch.randn(3), "i": torch.arange(3)}
+    static = {"f": torch.zeros(3, dtype=torch.float16), "i": torch.zeros(3, dtype=torch.int64)}
+    todevice.move(b, out=static, dtype=torch.float16)
+    assert torch.equal(static["f"], b["f"].half()) and torch.equal(static["i"], b["i"])
+    with pytest.raises(ValueError, match=r"at \['f'\], out's tensor is torch.float32 and the batch's is torch.float16"):
+        todevice.move(b, out={"f": torch.zeros(3), "i": torch.zeros(3, dtype=torch.int64)}, dtype=torch.float16)
+
+
+@dataclasses.dataclass
+class Inputs:
+    tokens: torch.Tensor
+    lengths: list[int]
+    extra: dict[str, torch.Tensor]
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_dataclasses_namedtuples_tuples_and_bare_tensors() -> None:
+    def make(seed: int) -> Any:
+        g = torch.Generator().manual_seed(seed)
+        return (
+            Inputs(torch.randint(0, 9, (4,), generator=g), [1, 2], {"e": torch.randn(2, generator=g)}),
+            Pair(torch.randn(2, generator=g), None),
+        )
+
+    static = make(0)
+    b = make(1)
+    todevice.move(b, out=static)
+    helpers.assert_same_tree(static, b, values=True, same=False)
+    t = torch.zeros(3)
+    assert todevice.move(torch.ones(3), out=t) is t and torch.equal(t, torch.ones(3))
+
+
+def test_skip_keys_are_neither_paired_nor_copied() -> None:
+    static = {"x": torch.zeros(2), "lengths": torch.zeros(3)}
+    todevice.move({"x": torch.ones(2), "lengths": torch.ones(5)}, out=static, skip_keys="lengths")
+    assert torch.equal(static["x"], torch.ones(2)) and torch.equal(static["lengths"], torch.zeros(3))
+    todevice.move({"x": torch.ones(2)}, out=static, skip_keys="lengths")  # absent on one side: fine too
+
+
+# ---------------------------------------------------------------- errors: checked first, nothing written
+
+
+def mismatches() -> list[tuple[str, Any, str]]:
+    good = {"a": torch.ones(2), "b": [torch.ones(3), torch.ones(1, dtype=torch.int64)]}
+    return [
+        (
+            "shape",
+            {**good, "b": [torch.ones(3), torch.ones(2, dtype=torch.int64)]},
+            r"at \['b'\]\[1\], out's tensor has shape \(1,\) and the batch's \(2,\)",
+        ),
+        (
+            "dtype",
+            {**good, "b": [torch.ones(3), torch.ones(1)]},
+            r"at \['b'\]\[1\], out's tensor is torch.int64 and the batch's is torch.float32",
+        ),
+        ("length", {**good, "b": [torch.ones(3)]}, r"at \['b'\], out holds 2 items where the batch has 1"),
+        (
+            "keys",
+            {"a": torch.ones(2), "c": good["b"]},
+            r"at the top level, the keys differ: the batch has \['c'\] that out has not, and out has \['b'\]",
+        ),
+        (
+            "container",
+            {**good, "b": (torch.ones(3), torch.ones(1, dtype=torch.int64))},
+            r"at \['b'\], out holds a list where the batch has a tuple",
+        ),
+        (
+            "not a tensor in out",
+            {**good, "b": [torch.ones(3), 7]},
+            r"at \['b'\]\[1\], out holds Tensor of shape \(1,\), torch.int64, on cpu where the batch has int",
+        ),
+        (
+            "grad",
+            {**good, "b": [torch.ones(3), torch.ones(1, dtype=torch.int64)], "a": torch.ones(2, requires_grad=True)},
+            r"at \['a'\], the batch's tensor requires grad",
+        ),
+        (
+            "meta",
+            {**good, "b": [torch.ones(3, device="meta"), torch.ones(1, dtype=torch.int64)]},
+            r"at \['b'\]\[0\], the batch holds a Tensor of shape \(3,\), torch.float32, on meta",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("name,bad,message", mismatches(), ids=[m[0] for m in mismatches()])
+def test_a_mismatch_names_its_path_and_nothing_is_written(name: str, bad: Any, message: str) -> None:
+    static = {"a": torch.zeros(2), "b": [torch.zeros(3), torch.zeros(1, dtype=torch.int64)]}
+    with pytest.raises(ValueError, match=message + r".* Nothing was copied\."):
+        todevice.move(bad, out=static)
+    assert all(not t.any() for t in leaves(static))  # "a" comes first and would have matched: still zeros
+
+
+def test_one_target_for_two_different_sources_is_refused() -> None:
+    t = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"at \['a'\], out holds this very tensor at two places"):
+        todevice.move({"a": torch.ones(2), "b": torch.full((2,), 2.0)}, out={"a": t, "b": t})
+    shared = torch.ones(2)
+    todevice.move({"a": shared, "b": shared}, out={"a": t, "b": t})  # the same source twice: fine
+    assert torch.equal(t, shared)
+
+
+def test_objects_whose_tensors_cannot_be_paired_are_refused() -> None:
+    class Encoding(dict):  # type: ignore[type-arg]
+        def to(self, device: Any) -> Encoding:
+            return Encoding({k: v.to(device) for k, v in self.items()})
+
+    with pytest.raises(ValueError, match=r"at \['enc'\], the batch holds .*Encoding, an object with its own .to\(\)"):
+        todevice.move({"enc": Encoding(x=torch.ones(2))}, out={"enc": Encoding(x=torch.zeros(2))})
+    packed = todevice.pack({"x": torch.ones(2)})
+    with pytest.raises(ValueError, match="a PackedBatch"):
+        todevice.move(packed, out={"x": torch.zeros(2)})
+
+
+def test_a_side_stream_is_refused_and_device_is_needed_without_out() -> None:
+    with pytest.raises(TypeError, match="on a side stream"):
+        todevice.move({"a": torch.ones(2)}, out={"a": torch.zeros(2)}, stream=object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Cannot move to device None"):
+        todevice.move({"a": torch.ones(2)})
+
+
+# ---------------------------------------------------------------- any structure
+
+
+DTYPES = [torch.float32, torch.float16, torch.int64, torch.bool, torch.uint8, torch.float64]
+shapes = st.lists(st.integers(0, 4), max_size=2).map(tuple)
+
+
+@given(
+    st.lists(st.tuples(shapes, st.sampled_from(DTYPES)), min_size=1, max_size=30), st.booleans(), st.integers(0, 256)
+)
+def test_random_batches_land_in_separate_and_in_coalesced_buffers(
+    signature: list[tuple[tuple[int, ...], torch.dtype]], coalesce: bool, limit: int
+) -> None:
+    def make(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {f"t{i}": (torch.rand(shape, generator=g) * 10).to(dtype) for i, (shape, dtype) in enumerate(signature)}
+
+    separate = make(0)
+    coalesced = todevice.pack(make(0)).unpack()  # views of one host buffer, laid out as coalescing does
+    b = make(1)
+    for target in (separate, coalesced):
+        todevice.move(b, out=target, coalesce=coalesce, coalesce_max_bytes=limit)
+        for k in b:
+            assert torch.equal(target[k], b[k]), k
+
+
+def test_a_sparse_source_is_refused_before_anything_is_written() -> None:
+    static = {"b": torch.zeros(2), "a": torch.zeros(3, 3)}
+    with pytest.raises(
+        ValueError, match=r"at \['a'\], the batch holds a Tensor of shape \(3, 3\).* Nothing was copied"
+    ):
+        todevice.move({"b": torch.ones(2), "a": torch.eye(3).to_sparse()}, out=static)
+    assert not static["b"].any()
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
+def test_under_torch_compile_the_copies_run_between_two_graphs() -> None:
+    static = {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int64)]}
+
+    @torch.compile(backend="eager")
+    def step(batch: dict[str, Any]) -> torch.Tensor:
+        todevice.move(batch, out=static)
+        return static["a"] * 2
+
+    for k in (1, 2):
+        got = step({"a": torch.full((3,), float(k)), "b": [torch.full((2,), k)]})
+        assert torch.equal(got, torch.full((3,), 2.0 * k)) and torch.equal(static["b"][0], torch.full((2,), k))
+    with pytest.raises(ValueError, match=r"at \['a'\], out's tensor has shape \(3,\)"):
+        step({"a": torch.ones(4), "b": [torch.ones(2, dtype=torch.int64)]})
