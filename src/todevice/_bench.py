@@ -580,10 +580,159 @@ def prefetch_rows(rounds: int = 5, steps: int = 20) -> list[dict[str, Any]] | st
     return rows
 
 
+def _outputs() -> dict[str, Any]:
+    """What a step hands back to the host, on the host still: scalar metrics, and a nested mix."""
+
+    def scalars(n: int) -> dict[str, torch.Tensor]:
+        return {f"m{i}": torch.randn(()) for i in range(n)}
+
+    mixed = {
+        "loss": torch.randn(()),
+        "metrics": scalars(499),
+        "per_class": [torch.randn(1 + i % 16) for i in range(500)],
+    }
+    return {
+        "50 scalars, a dict": scalars(50),
+        "1,000 scalars, a dict": scalars(1000),
+        "1,000 nested: 500 scalars, 500 float32[1..16]": mixed,
+    }
+
+
+def _to_host_contenders(outputs: Any, cpu: torch.device) -> dict[str, Callable[[], Any]]:
+    funcs: dict[str, Callable[[], Any]] = {
+        "todevice.move": lambda: todevice.move(outputs, cpu),
+        "per-leaf .cpu()": lambda: recursive_to_device(outputs, cpu),
+        "todevice.move(coalesce=False)": lambda: todevice.move(outputs, cpu, coalesce=False),
+    }
+    if all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in outputs.values()):
+        funcs["per-leaf .item()"] = lambda: {k: v.item() for k, v in outputs.items()}
+    return funcs
+
+
+def device_to_host_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
+    """Small device tensors read back on the host, end to end: move() against per-leaf .cpu() and .item()."""
+    acc = _stream.accelerator()
+    if acc is None:
+        return "no accelerator on this machine (torch.accelerator.is_available() is False)"
+    dev, cpu = torch.device(acc.type, _stream.current_index()), torch.device("cpu")
+    rows: list[dict[str, Any]] = []
+    for name, host in _outputs().items():
+        outputs = recursive_to_device(host, dev)  # one allocation each, as kernels leave their outputs
+        leaves = tensor_leaves(outputs)
+        # Each contender waits for its own copies (move() before it returns; .cpu() and .item() block),
+        # so no sync is added: the time is what a caller waits before reading the values.
+        times = _timed(_to_host_contenders(outputs, cpu), rounds, end_to_end=False)
+        for cname, seconds in times.items():
+            rows.append(
+                {
+                    "workload": f"{name} ({sum(t.nbytes for t in leaves) / 1024:.1f} KiB)",
+                    "tensors": len(leaves),
+                    "contender": cname,
+                    "ms": seconds * 1e3,
+                    "x_per_leaf_cpu": times["per-leaf .cpu()"] / seconds,
+                }
+            )
+    return rows
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    """A fresh pageable batch of 100 small inputs: 90 float32[16] and 10 int64[8]."""
+    batch = {f"x{i}": torch.randn(16) for i in range(90)}
+    batch.update({f"ids{i}": torch.randint(0, 1000, (8,)) for i in range(10)})
+    return batch
+
+
+def _copy_each(static: dict[str, torch.Tensor], fresh: list[dict[str, torch.Tensor]]) -> None:
+    """The loop move(batch, out=static) replaces: a copy call of its own for each tensor."""
+    batch = fresh[0]
+    for k in static:
+        static[k].copy_(batch[k], non_blocking=True)
+
+
+def _static_workload(static: dict[str, torch.Tensor], where: str) -> str:
+    buffers = len({t.untyped_storage()._cdata for t in static.values()})
+    return f"100 small pageable tensors into static {where} buffers ({buffers} storage{'s' if buffers > 1 else ''})"
+
+
+def static_rows(rounds: int = 50) -> list[dict[str, Any]] | str:
+    """Host time per step of a copy into static device buffers: move(batch, out=static) against per-tensor copy_()."""
+    acc = _stream.accelerator()
+    if acc is None:
+        return "no accelerator on this machine (torch.accelerator.is_available() is False)"
+    dev = torch.device(acc.type, _stream.current_index())
+    static = todevice.move(_inputs(), dev)  # small tensors come back as views of one device buffer
+    fresh = [_inputs()]
+
+    def next_step() -> None:
+        torch.accelerator.synchronize()  # untimed: the last step's copies land, so no queue builds up
+        fresh[0] = _inputs()
+
+    contenders: dict[str, Callable[[], Any]] = {
+        "todevice.move(batch, out=static)": lambda: todevice.move(fresh[0], out=static),
+        "per-tensor copy_(non_blocking=True)": functools.partial(_copy_each, static, fresh),
+    }
+    times = _timed(contenders, rounds, setup=next_step, end_to_end=False)
+    return [
+        {
+            "workload": _static_workload(static, "device"),
+            "contender": name,
+            "host_us": seconds * 1e6,
+            "x_per_tensor_copy": times["per-tensor copy_(non_blocking=True)"] / seconds,
+        }
+        for name, seconds in times.items()
+    ]
+
+
+def static_host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
+    """Host time of move(batch, out=static) into static meta buffers against per-tensor copy_(), one run.
+
+    ``static`` is views of one meta buffer, so move() takes the path it takes into views of one device
+    buffer (pairing, checks, the staging write, one copy) with no data behind the copy. Into CPU tensors
+    it would copy tensor by tensor, which says nothing of that path.
+    """
+    static = todevice.move(_inputs(), "meta", coalesce=True)
+    fresh = [_inputs()]
+
+    def next_batch() -> None:
+        fresh[0] = _inputs()
+
+    funcs: dict[str, Callable[[], Any]] = {
+        "move(batch, out=static)": lambda: todevice.move(fresh[0], out=static),
+        "per-tensor copy_() into meta": functools.partial(_copy_each, static, fresh),
+    }
+    for fn in funcs.values():
+        fn()
+    times = interleaved(funcs, rounds, random.Random(seed), setup=next_batch)
+    base = statistics.median(times["per-tensor copy_() into meta"])
+    return [
+        {
+            "workload": _static_workload(static, "meta"),
+            "contender": name,
+            "median_us": statistics.median(t) * 1e6,
+            "x_per_leaf_to": statistics.median(t) / base,
+        }
+        for name, t in times.items()
+    ]
+
+
+Rows = list[dict[str, Any]]
+
+
+def verdict(rows: Rows, contender: str, key: str, target: float, claim: str) -> str:
+    """One line: the target, whether ``contender``'s ``key`` met it in every row, and the figures."""
+    got = {r["workload"]: r[key] for r in rows if r["contender"] == contender}
+    met = "met" if got and all(x >= target for x in got.values()) else "not met"
+    return f"Target: {claim}: {met} ({'; '.join(f'{w}: {x:.1f}x' for w, x in got.items())})."
+
+
 def gpu_main(rounds: int = 10, json_path: str | None = None) -> dict[str, Any]:
-    """The accelerator's tables: bandwidth, host time blocked, and the prefetch loop."""
+    """The accelerator's tables: bandwidth, host time blocked, prefetch, reads to the host, static buffers.
+
+    A table's target, where it has one, is judged on a line below it, and kept under ``"verdicts"``.
+    """
     result: dict[str, Any] = {}
-    sections: list[tuple[str, Callable[[], list[dict[str, Any]] | str], list[tuple[str, str, str]]]] = [
+    verdicts: dict[str, str] = {}
+    sections: list[tuple[str, Callable[[], Rows | str], list[tuple[str, str, str]], Callable[[Rows], str] | None]] = [
         (
             "Host-to-device, end to end (medians)",
             lambda: device_rows(rounds),
@@ -593,15 +742,48 @@ def gpu_main(rounds: int = 10, json_path: str | None = None) -> dict[str, Any]:
                 ("x_single_copy", ">of one pinned copy", "{:.0%}"),
                 ("x_per_leaf_to", ">faster than per-leaf .to()", "{:.1f}x"),
             ],
+            None,
         ),
-        ("Host time blocked (medians)", lambda: blocked_rows(rounds), [("host_ms", ">host ms", "{:.1f}")]),
+        ("Host time blocked (medians)", lambda: blocked_rows(rounds), [("host_ms", ">host ms", "{:.1f}")], None),
         (
             "Prefetch loop (medians)",
             lambda: prefetch_rows(max(3, rounds // 2)),
             [("ms", ">ms", "{:.1f}"), ("x_timm_style", ">time / timm-style", "{:.2f}x")],
+            None,
+        ),
+        (
+            "Device to host, end to end (medians)",
+            lambda: device_to_host_rows(rounds),
+            [
+                ("tensors", ">tensors", "{:,}"),
+                ("ms", ">ms", "{:.3f}"),
+                ("x_per_leaf_cpu", ">faster than per-leaf .cpu()", "{:.1f}x"),
+            ],
+            lambda rows: verdict(
+                [r for r in rows if r["tensors"] >= 1000],
+                "todevice.move",
+                "x_per_leaf_cpu",
+                10.0,
+                "move() at least 10x faster than per-leaf .cpu() at 1,000 tensors",
+            ),
+        ),
+        (
+            "Into static buffers, host time per step (medians)",
+            lambda: static_rows(rounds * 5),  # a step takes well under a millisecond: more rounds, same minutes
+            [
+                ("host_us", ">host us", "{:.1f}"),
+                ("x_per_tensor_copy", ">less host time than per-tensor copy_()", "{:.1f}x"),
+            ],
+            lambda rows: verdict(
+                rows,
+                "todevice.move(batch, out=static)",
+                "x_per_tensor_copy",
+                10.0,
+                "move(batch, out=static) at least 10x less host time per step than per-tensor copy_()",
+            ),
         ),
     ]
-    for title, make, fields in sections:
+    for title, make, fields, judge in sections:
         print(f"{title}:", flush=True)
         rows = make()
         result[title] = rows
@@ -614,14 +796,18 @@ def gpu_main(rounds: int = 10, json_path: str | None = None) -> dict[str, Any]:
             for r in rows
         ]
         print(markdown(columns, cells) + "\n", flush=True)
+        if judge is not None:
+            verdicts[title] = judge(rows)
+            print(verdicts[title] + "\n", flush=True)
+    result["verdicts"] = verdicts
     write_json(json_path, result)
     return result
 
 
 def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, Any]:
-    host = host_rows(rounds=rounds)
-    print("Transfer engine, host side: what coalescing costs the host (medians; lower is better).")
-    columns = ["workload", "contender", ">median (us)", ">time / per-leaf .to('meta')"]
+    host = host_rows(rounds=rounds) + static_host_rows(rounds=rounds)
+    print("Transfer engine, host side: what coalescing and copies into static buffers cost the host (medians).")
+    columns = ["workload", "contender", ">median (us)", ">time / per-leaf copy to meta"]
     cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
     print(markdown(columns, cells))
     device: Any = "run python -m todevice bench --device cuda for the accelerator's tables"
