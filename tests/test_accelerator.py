@@ -6,9 +6,10 @@ The CUDA tests queue ``torch.cuda._sleep`` ahead of the work they check, so a mi
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from todevice import _stream
 pytestmark = pytest.mark.accelerator
 
 DTYPES = strategies.DTYPES
+
+T = TypeVar("T")
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="queues torch.cuda._sleep")
 
@@ -272,3 +275,250 @@ def test_large_results_on_the_host_are_pageable_and_small_ones_pinned() -> None:
     back = todevice.move(there, "cpu")
     assert not back["big"].is_pinned() and back["small"].is_pinned()
     assert torch.equal(back["big"], there["big"].cpu())
+
+
+# ---------------------------------------------------------------- back to the host in one copy; into static buffers
+
+
+def memcpys(kind: str, work: Callable[[], T]) -> tuple[T, list[str]]:
+    """``work()``'s result, and the names of the ``kind`` copies ("Memcpy DtoH", "Memcpy HtoD") the profiler saw."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        result = work()
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+    return result, [e.name for e in prof.events() if kind in e.name]
+
+
+def sample(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Integers in [0, 100) as ``dtype`` (bool: nonzero): exact in every dtype, so sums compare with torch.equal."""
+    return torch.randint(0, 100, shape, generator=gen).to(dtype)
+
+
+def mixed_small(i: int, dev: torch.device) -> torch.Tensor:
+    """The ``i``-th small device tensor of a mixed batch: every dtype meets 0-dim, empty and non-contiguous shapes."""
+    dtype = DTYPES[i % len(DTYPES)]
+    kind = i % 6  # 6 is coprime with len(DTYPES) == 11: every dtype meets every kind
+    if kind == 0:
+        return sample((), dtype).to(dev)
+    if kind == 1:
+        return sample((0, 3), dtype).to(dev)
+    if kind == 2:
+        return sample((4, 6), dtype).to(dev).t()
+    if kind == 3:
+        return sample((3, 8), dtype).to(dev)[:, ::2]
+    return sample((7,) if kind == 4 else (2, 3, 5), dtype).to(dev)
+
+
+@cuda_only
+def test_a_thousand_small_tensors_come_back_to_the_host_in_one_copy() -> None:
+    dev = accelerator()
+    batch = {"x": [mixed_small(i, dev) for i in range(1000)]}
+    want = [t.cpu() for t in batch["x"]]
+    assert any(not t.is_contiguous() for t in batch["x"]) and any(t.dim() == 0 for t in batch["x"])
+    todevice.move(batch, "cpu")  # warm-up: allocator, pinned blocks, layout
+    torch.cuda.synchronize()
+    back, copies = memcpys("Memcpy DtoH", lambda: todevice.move(batch, "cpu"))
+    for i, (got, ref) in enumerate(zip(back["x"], want)):
+        assert got.is_cpu and got.dtype == ref.dtype and got.shape == ref.shape, i
+        assert torch.equal(got, ref), i
+    assert len(copies) == 1, copies
+    # The host tensors are views of the one buffer that came back, not copies cut from it afterwards.
+    assert len({t.untyped_storage().data_ptr() for t in back["x"] if t.numel()}) == 1
+    # Controls: the profiler sees one copy per tensor where nothing is gathered (empty tensors copy nothing).
+    _, alone = memcpys("Memcpy DtoH", lambda: todevice.move(batch, "cpu", coalesce=False))
+    _, reference = memcpys("Memcpy DtoH", lambda: [t.cpu() for t in batch["x"]])
+    assert len(alone) == len(reference) >= sum(1 for t in want if t.numel()), (len(alone), len(reference))
+
+
+@cuda_only
+def test_small_results_on_the_host_wait_for_the_writes_queued_before_the_move() -> None:
+    dev = accelerator()
+    dtypes = [d for d in DTYPES if d is not torch.bool]  # each holds 7, 8 and 9
+    tensors = [torch.zeros(8, dtype=dtypes[i % len(dtypes)], device=dev) for i in range(100)]
+    cycles = sleep_cycles(50)
+    for value in (7, 8, 9):
+        torch.cuda._sleep(cycles)
+        for t in tensors:
+            t.fill_(value)  # queued behind the sleep: the copy back must see it
+        back = todevice.move({"x": tensors}, "cpu")
+        # A blocking copy into pageable memory waits by itself and would hide a missing wait.
+        assert all(t.is_pinned() for t in back["x"]), "6 KiB gathered should come back into pinned memory"
+        stale = [i for i, t in enumerate(back["x"]) if not bool((t == value).all())]
+        assert not stale, f"read before the device wrote {value}: {stale[:10]}"
+
+
+@cuda_only
+def test_results_that_need_grad_come_back_alone_and_keep_their_graph() -> None:
+    dev = accelerator()
+    w = torch.randn(4, device=dev, requires_grad=True)
+    batch: dict[str, Any] = {"y": w, "z": w * 2, "rest": [torch.randn(8, device=dev) for _ in range(100)]}
+    todevice.move(batch, "cpu")  # warm-up
+    torch.cuda.synchronize()
+    back, copies = memcpys("Memcpy DtoH", lambda: todevice.move(batch, "cpu"))
+    assert len(copies) == 3, copies  # y and z alone, the hundred others gathered in one
+    assert back["y"].requires_grad and back["z"].requires_grad
+    assert torch.equal(back["y"].detach(), w.detach().cpu()) and torch.equal(back["z"].detach(), (w * 2).detach().cpu())
+    assert all(not t.requires_grad and torch.equal(t, s.cpu()) for t, s in zip(back["rest"], batch["rest"]))
+    weights = torch.arange(1.0, 5.0)
+    ((back["y"] * weights).sum() + back["z"].sum()).backward()
+    assert w.grad is not None and w.grad.device == dev
+    assert torch.equal(w.grad.cpu(), weights + 2)
+
+
+@cuda_only
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_small_tensors_on_two_devices_come_back_in_one_copy_each() -> None:
+    devs = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    xs = [torch.zeros(8, dtype=DTYPES[i % 3], device=devs[i % 2]) for i in range(100)]  # interleaved
+    cycles = sleep_cycles(50)
+    for current in (0, 1):
+        with torch.cuda.device(current):
+            for d in devs:
+                with torch.cuda.device(d):
+                    torch.cuda._sleep(cycles)
+            for i, t in enumerate(xs):
+                t.fill_(100 * current + i)  # on t's device's current stream, behind its sleep
+            back = todevice.move({"x": xs}, "cpu")
+            assert torch.cuda.current_device() == current
+            wrong = [i for i, t in enumerate(back["x"]) if not bool((t == 100 * current + i).all())]
+            assert not wrong, f"stale or misplaced values with cuda:{current} current: {wrong[:10]}"
+            for d in devs:
+                torch.cuda.synchronize(d)
+            again, copies = memcpys("Memcpy DtoH", lambda: todevice.move({"x": xs}, "cpu"))
+            assert torch.cuda.current_device() == current
+            assert len(copies) == 2, copies  # one buffer, one copy per source device
+            assert all(torch.equal(t, s.cpu()) for t, s in zip(again["x"], xs))
+
+
+def out_batch(seed: int) -> dict[str, Any]:
+    """A host batch for the ``out=`` tests: 100 small tensors of mixed dtypes and shapes, and one of 1 MiB.
+
+    Every seed gives other values; from seed 1 on, ``t`` is a transposed view (the static copy is contiguous).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    t = sample((6, 4), torch.float32, gen) if seed == 0 else sample((4, 6), torch.float32, gen).t()
+    return {
+        "a": sample((8,), torch.float32, gen),
+        "b": sample((16,), torch.float32, gen),
+        "s": sample((), torch.int64, gen),
+        "t": t,
+        "x": [sample((5,) if i % 2 else (2, 3), DTYPES[i % len(DTYPES)], gen) for i in range(96)],
+        "big": sample((1 << 18,), torch.float32, gen),  # 1 MiB: past COALESCE_MAX_BYTES
+    }
+
+
+def out_leaves(batch: dict[str, Any]) -> list[torch.Tensor]:
+    """``out_batch``'s tensors, the small ones first and the large one last."""
+    return [batch["a"], batch["b"], batch["s"], batch["t"], *batch["x"], batch["big"]]
+
+
+def static_batch() -> dict[str, Any]:
+    """Static buffers on the device, made as the docs say: its small tensors are views of one buffer."""
+    static = todevice.move(out_batch(0), "cuda")
+    small = out_leaves(static)[:-1]
+    assert out_leaves(static)[-1].nbytes > todevice.COALESCE_MAX_BYTES
+    assert len({t.untyped_storage().data_ptr() for t in small}) == 1, "precondition: one buffer for the small ones"
+    return static
+
+
+def holds(static: dict[str, Any], batch: dict[str, Any]) -> list[int]:
+    """The indices (in ``out_leaves`` order) of the static tensors whose values differ from ``batch``'s."""
+    pairs = zip(out_leaves(static), out_leaves(batch))
+    return [i for i, (got, want) in enumerate(pairs) if not torch.equal(got.cpu(), want)]
+
+
+@cuda_only
+def test_a_move_into_static_buffers_keeps_them_and_writes_every_value() -> None:
+    static = static_batch()
+    tensors, ptrs = out_leaves(static), [t.data_ptr() for t in out_leaves(static)]
+    batches = [out_batch(seed) for seed in (1, 2, 3)]
+    torch.cuda._sleep(sleep_cycles(50))  # the copies queue behind it: staging reused too early shows
+    snapshots = []
+    for batch in batches:
+        assert todevice.move(batch, out=static) is static
+        # Cloned on the current stream, behind this move's copies and ahead of the next move's.
+        snapshots.append({k: [t.clone() for t in v] if k == "x" else v.clone() for k, v in static.items()})
+    for seed, (batch, snap) in enumerate(zip(batches, snapshots), start=1):
+        assert not holds(snap, batch), f"batch {seed}: wrong values at {holds(snap, batch)[:10]}"
+    assert all(a is b for a, b in zip(out_leaves(static), tensors)), "static's tensors were replaced"
+    assert [t.data_ptr() for t in out_leaves(static)] == ptrs, "static's memory moved"
+
+
+@cuda_only
+def test_small_tensors_cross_into_static_buffers_in_one_pinned_copy() -> None:
+    static = static_batch()
+    todevice.move(out_batch(1), out=static)  # warm-up: pinned staging, layout
+    batch = out_batch(2)
+    torch.cuda.synchronize()
+    _, copies = memcpys("Memcpy HtoD", lambda: todevice.move(batch, out=static))
+    # Control: the large tensor on its own, into the same static tensor, makes the copies it makes in any move.
+    _, large = memcpys("Memcpy HtoD", lambda: todevice.move({"big": batch["big"]}, out={"big": static["big"]}))
+    assert large, "the profiler saw no copy of the large tensor"
+    assert sorted(copies) == sorted([*large, "Memcpy HtoD (Pinned -> Device)"]), (copies, large)
+    assert not holds(static, batch)
+
+
+@cuda_only
+def test_a_cuda_graph_reads_what_each_move_writes_into_static_buffers() -> None:
+    static = static_batch()
+
+    def step() -> torch.Tensor:
+        y: torch.Tensor = static["a"] * 2 + static["b"].sum() + static["big"][:8]
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream before capture, as torch.cuda.graphs' docs show
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    for seed in (1, 2, 3):
+        batch = out_batch(seed)
+        todevice.move(batch, out=static)
+        graph.replay()  # reads static's memory at the addresses captured
+        torch.cuda.synchronize()
+        want = batch["a"] * 2 + batch["b"].sum() + batch["big"][:8]  # integers: exact on both sides
+        assert torch.equal(y.cpu(), want), f"batch {seed}: {y.cpu()} != {want}"
+
+
+@cuda_only
+def test_a_move_into_static_buffers_waits_for_earlier_reads_of_them() -> None:
+    static = static_batch()
+    cycles = sleep_cycles(50)
+    for seed in (1, 2, 3):
+        batch = out_batch(seed)
+        old_a, old_big = static["a"].to("cpu", copy=True), static["big"].to("cpu", copy=True)
+        torch.cuda._sleep(cycles)
+        read_a, read_big = static["a"].clone(), static["big"].clone()  # queued behind the sleep
+        todevice.move(batch, out=static)  # must be ordered after those reads on the current stream
+        assert torch.equal(read_a.cpu(), old_a), f"batch {seed}: a small tensor was written before it was read"
+        assert torch.equal(read_big.cpu(), old_big), f"batch {seed}: the large tensor was written before it was read"
+        assert not holds(static, batch)
+
+
+def wrong_shape(batch: dict[str, Any]) -> str:
+    batch["x"][57] = torch.zeros(7, dtype=batch["x"][57].dtype)
+    return "['x'][57]"
+
+
+def wrong_dtype(batch: dict[str, Any]) -> str:
+    batch["b"] = batch["b"].double()
+    return "['b']"
+
+
+@cuda_only
+@pytest.mark.parametrize("spoil", [wrong_shape, wrong_dtype], ids=["shape", "dtype"])
+def test_a_mismatched_batch_names_its_path_and_writes_nothing(spoil: Callable[[dict[str, Any]], str]) -> None:
+    static = static_batch()
+    before = [t.clone() for t in out_leaves(static)]
+    batch = out_batch(1)
+    path = spoil(batch)  # the later leaves in walk order would be written by a move that checks as it goes
+    with pytest.raises(ValueError, match=re.escape(path)):
+        todevice.move(batch, out=static)
+    torch.cuda.synchronize()
+    changed = [i for i, (t, b) in enumerate(zip(out_leaves(static), before)) if not torch.equal(t, b)]
+    assert not changed, f"written before the mismatch was found: {changed[:10]}"
