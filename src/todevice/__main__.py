@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--device",
         default=None,
-        help="an accelerator ('cuda'): its tables only (bandwidth, host time blocked, the prefetch loop), "
-        "then tests/test_accelerator.py when run from a checkout",
+        help="an accelerator ('cuda'): its tables only (bandwidth, host time blocked, the prefetch loop, "
+        "device to host, into static buffers), then tests/test_accelerator.py when run from a checkout",
     )
     args = parser.parse_args(argv)
     if args.command == "info":

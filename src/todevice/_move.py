@@ -445,7 +445,8 @@ def move(
     weights) still share memory afterwards.
 
     From the host to an accelerator, the small tensors travel together: they are packed into one
-    page-locked buffer, sent with one copy, and handed back as views of one device buffer.
+    page-locked buffer, sent with one copy, and handed back as views of one device buffer. To the
+    CPU, each accelerator's small tensors are gathered there and come back in one copy.
 
     Example:
         >>> import torch, todevice
@@ -460,16 +461,16 @@ def move(
             other mappings (UserDict, ...), types registered with :func:`todevice.register`,
             objects with their own ``.to()``, and :class:`todevice.PackedBatch`.
         device: Target device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``, or an int
-            (an index of the current accelerator).
+            (an index of the current accelerator). May be left out when ``out`` is given.
         non_blocking: Let host-to-accelerator copies run asynchronously: pageable tensors cross
             through pinned memory, so the host never waits for queued device work.  Copies that land
             in host memory are waited for before ``move()`` returns, so results are always safe to
             read; only results up to 64 KiB land in pinned memory.
         dtype: Cast floating-point and complex tensors to this dtype on the way (as
             ``nn.Module.to(dtype)`` does); integer and bool tensors keep theirs.
-        coalesce: Pack small host tensors into one buffer and send it in one copy.  None (the
-            default) does so from the host to an accelerator; True for any target but the CPU
-            (``"meta"`` included); False never.  Coalesced tensors come back contiguous.
+        coalesce: Pack small tensors into one buffer and send it in one copy.  None (the default)
+            does so from the host to an accelerator, and from each accelerator to the CPU; True
+            also to ``"meta"``; False never.  Coalesced tensors come back contiguous.
         coalesce_max_bytes: The largest host tensor, pinned or pageable, that is coalesced. A larger
             one is copied into an allocation of its own, from pageable memory through pinned
             chunks, so it never shares memory with another tensor of the batch.
@@ -481,12 +482,17 @@ def move(
         skip_keys: A dict key, or a collection of them: the items under these keys, in any mapping
             at any depth, come back exactly as they are (the CPU ``lengths`` that
             ``pack_padded_sequence`` wants, for instance).
+        out: A structure like ``obj`` whose tensors receive ``obj``'s values, in place; it is
+            returned, its tensors the same objects over the same memory. Every pair is checked
+            before anything is written. Small host tensors whose targets are views of one buffer
+            (as ``move(example, device)`` returns them) cross in one copy.
 
     Returns:
         A structure of the same shape and container types as ``obj``, its tensors on ``device``.
 
     Raises:
         ValueError: ``device`` is not a valid or available device (before anything is copied),
+            ``out`` differs from ``obj`` in structure, shape, dtype or device (naming the path),
             ``obj`` contains itself, ``stream`` is on another device than the target, or
             ``coalesce_max_bytes`` is negative.
         TypeError: ``device``, ``dtype``, ``coalesce_max_bytes`` or ``skip_keys`` has the wrong type,
