@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import namedtuple
 from typing import Any
@@ -110,9 +111,9 @@ def test_one_copy_when_the_targets_are_one_device_buffer() -> None:
         todevice.move(batch(1), out=static)
     # The small tensors in one copy of the staging buffer; the large one alone.
     assert sorted(copies.seen) == [("aten.copy_.default", 1), ("aten.copy_.default", 1)]
-    with Copies("meta") as copies:
+    with Copies("meta") as copies:  # part of that buffer: one copy would write the padding beside other tensors
         todevice.move({"x": batch(1)["x"]}, out={"x": static["x"]})
-    assert copies.seen == [("aten.copy_.default", 1)]
+    assert copies.seen == [("aten._foreach_copy_.default", 100)]
 
 
 def test_a_copy_each_when_the_targets_are_not_one_buffer() -> None:
@@ -304,3 +305,29 @@ def test_under_torch_compile_the_copies_run_between_two_graphs() -> None:
         assert torch.equal(got, torch.full((3,), 2.0 * k)) and torch.equal(static["b"][0], torch.full((2,), k))
     with pytest.raises(ValueError, match=r"at \['a'\], out's tensor has shape \(3,\)"):
         step({"a": torch.ones(4), "b": [torch.ones(2, dtype=torch.int64)]})
+
+
+def test_targets_copy_cannot_write_are_refused_before_anything_is_written() -> None:
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    for bad in (torch.zeros(1).expand(3), torch.zeros(3).to_sparse(), frozen):
+        static = {"a": torch.zeros(2), "b": bad}
+        with pytest.raises(ValueError, match=r"at \['b'\], out's tensor .* cannot be written in place"):
+            todevice.move({"a": torch.ones(2), "b": torch.ones(bad.shape)}, out=static)
+        assert not static["a"].any()
+
+
+def test_conjugate_and_negative_views_get_their_values_not_their_bytes() -> None:
+    buffer = todevice.pack({"z": torch.zeros(2, dtype=torch.complex64), "n": torch.zeros(4)}).unpack()
+    static = {"z": buffer["z"].conj(), "n": buffer["n"]._neg_view()}
+    b = {"z": torch.tensor([3 + 3j, 4 + 4j], dtype=torch.complex64), "n": torch.full((4,), 2.0)}
+    todevice.move(b, out=static)
+    assert torch.equal(static["z"], b["z"]) and torch.equal(static["n"], b["n"])
+
+
+def test_sets_are_refused_and_skipped_keys_may_be_absent_from_any_mapping() -> None:
+    with pytest.raises(ValueError, match="a set, whose items have no order"):
+        todevice.move({"s": {torch.ones(1)}}, out={"s": {torch.zeros(1)}})
+    static = collections.OrderedDict(x=torch.zeros(2))
+    todevice.move(collections.OrderedDict(x=torch.ones(2), lengths=torch.ones(3)), out=static, skip_keys="lengths")
+    assert torch.equal(static["x"], torch.ones(2))

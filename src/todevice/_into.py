@@ -145,6 +145,8 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     """A container's children, paired with those of ``b``: by key or name where they have one, else by position."""
     if type(b) is not type(a):
         raise _Mismatch(f"out holds a {type(b).__qualname__} where the batch has a {type(a).__qualname__}.")
+    if isinstance(a, (set, frozenset)):
+        raise _Mismatch("the batch holds a set, whose items have no order to pair them by.")
     kind = _tree.kind_of(type(a))
     assert kind.flatten is not None and kind.entry is not None
     children, aux = _walk.guarded(a, kind.flatten, a)
@@ -152,18 +154,24 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     if len(theirs) != len(children) and kind.keys is None:
         raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
     keys = kind.keys(aux) if kind.keys is not None else None
-    if type(a) is not list and type(a) is not tuple:
-        # Items, fields and attributes, each known by its path entry (['x'], .field): paired by it.
+    if type(a) is list or type(a) is tuple:
+        paired = [(i, v, w) for i, (v, w) in enumerate(zip(children, theirs))]
+    else:  # items, fields and attributes, each known by its path entry (['x'], .field): paired by it
         mine = [kind.entry(aux, i) for i in range(len(children))]
-        by_entry = dict(zip((kind.entry(their_aux, i) for i in range(len(theirs))), theirs))
-        if len(by_entry) != len(mine) or any(e not in by_entry for e in mine):
-            missing = [e for e in mine if e not in by_entry]
-            extra = [e for e in by_entry if e not in mine]
+        by_entry = {kind.entry(their_aux, i): w for i, w in enumerate(theirs)}
+        skipped: set[str] = set()
+        if skip and keys is not None:  # skipped items need not be on both sides
+            skipped = {mine[i] for i, k in enumerate(keys) if k in skip}
+            their_keys = kind.keys(their_aux)  # type: ignore[misc]
+            skipped.update(kind.entry(their_aux, i) for i, k in enumerate(their_keys) if k in skip)
+        wanted = [e for e in mine if e not in skipped]
+        offered = [e for e in by_entry if e not in skipped]
+        if len(wanted) != len(offered) or any(e not in by_entry for e in wanted):
+            missing = [e for e in wanted if e not in by_entry]
+            extra = [e for e in offered if e not in wanted]
             raise _Mismatch(f"the batch has {missing} that out has not, and out has {extra} that the batch has not.")
-        theirs = [by_entry[e] for e in mine]
-    for i, (v, w) in enumerate(zip(children, theirs)):
-        if keys is not None and keys[i] in skip:
-            continue
+        paired = [(i, children[i], by_entry[e]) for i, e in enumerate(mine) if e not in skipped]
+    for i, v, w in paired:
         try:
             _pair(v, w, found, skip)
         except _Mismatch as m:
@@ -181,7 +189,7 @@ _is_cpu, _is_meta, _grad = (
     operator.attrgetter("requires_grad"),
 )
 _pick = _layout.pick
-_nbytes, _data_ptr = operator.attrgetter("nbytes"), _Tensor.data_ptr
+_nbytes, _data_ptr, _layout_of = operator.attrgetter("nbytes"), _Tensor.data_ptr, operator.attrgetter("layout")
 
 
 class _Read(NamedTuple):
@@ -208,10 +216,20 @@ def _check(
         and (all(on_host) or not any(t.is_meta for t in sources))
         and not (torch.is_grad_enabled() and any(map(_grad, sources)))
         and len(set(map(id, targets))) == len(targets)
+        and _writable(targets)
     ):
         return _Read(shapes, dtypes, on_host)
     _fault(sources, targets, out, dev, dtype)
     return _Read(shapes, dtypes, on_host)
+
+
+def _writable(targets: list[torch.Tensor]) -> bool:
+    """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
+    return (
+        all(layout is torch.strided for layout in map(_layout_of, targets))
+        and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
+        and not any(torch._debug_has_internal_overlap(t) == 1 for t in targets)
+    )
 
 
 def _fault(
@@ -233,6 +251,11 @@ def _fault(
             why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
         elif src.requires_grad and torch.is_grad_enabled():
             why = "the batch's tensor requires grad, and autograd does not record a copy into out=: pass it detached."
+        elif not _writable([dst]):
+            why = (
+                f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is sparse, an expanded "
+                f"view whose elements share memory, or an inference tensor outside torch.inference_mode()."
+            )
         elif seen.setdefault(id(dst), src) is not src:
             why = "out holds this very tensor at two places where the batch holds two different tensors."
         if why is not None:
@@ -299,9 +322,14 @@ def _together(
     else they are written into one staging buffer first (page-locked for an accelerator), which is
     sent with one copy, or cut into tensors that each go with a copy of their own.
     """
-    span = _span(targets, lay) if coalesce else None
-    if span is not None and span.is_cpu:
-        _layout.write(span, lay, sources)
+    if any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets)):  # lazily conjugated or negated
+        for src, dst in zip(sources, targets):
+            dst.copy_(src, non_blocking=non_blocking)
+        return
+    on_host = targets[0].is_cpu
+    span = _span(targets, lay, whole=not on_host) if coalesce else None
+    if span is not None and on_host:
+        _layout.write(span, lay, sources)  # each target's bytes only
         return
     if span is None and all(map(_is_cpu, targets)):
         torch._foreach_copy_(targets, sources)
@@ -320,18 +348,20 @@ def _together(
         torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
 
 
-def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
+def _span(targets: list[torch.Tensor], lay: _layout.Layout, whole: bool = True) -> torch.Tensor | None:
     """A byte view of the one buffer all ``targets`` are views of, where ``lay`` puts each, or None.
 
     Every target must be a plain contiguous tensor at its layout offset from one base, inside the
     first one's storage. Copying the whole span then writes each target's bytes, and the alignment
     padding between them (under ``_layout.ALIGN`` bytes each), which no tensor of a coalesced move uses.
+    With ``whole``, for a copy that writes that padding, the targets must be all their storage holds, as
+    in a buffer a coalesced move made: never part of a larger one, whose padding may be another's data.
     """
     first = targets[0]
     offsets = _offsets(lay)
     base = first.storage_offset() * first.element_size() - offsets[0]
     storage = first.untyped_storage()
-    if base < 0 or base + lay.nbytes > storage.nbytes():
+    if base < 0 or base + lay.nbytes > storage.nbytes() or (whole and (base, storage.nbytes()) != (0, lay.nbytes)):
         return None
     if set(map(type, targets)) != {_Tensor} or not all(map(_Tensor.is_contiguous, targets)):
         return None

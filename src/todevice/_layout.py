@@ -478,11 +478,15 @@ def _as_it_is(x: Any, code: int, s: _Taking) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _takes(skip: frozenset[Any]) -> tuple[_walk.Walk, _walk.Walk]:
-    """The optimistic and the careful take, leaving the items under the keys in ``skip`` as they are."""
+def _takes(skip: frozenset[Any], devices: bool) -> tuple[_walk.Walk, _walk.Walk]:
+    """The optimistic and the careful take, leaving the items under the keys in ``skip`` as they are.
+
+    Taking from devices, host tensors stay where they are at the cost of a C call each.
+    """
+    keep = operator.attrgetter("is_cpu") if devices else NEVER
     return (
-        _walk.make(NEVER, _take, _as_it_is, _tree.kind_for_packing, skip=skip),
-        _walk.make(NEVER, _take_carefully, _as_it_is, _tree.kind_for_packing, skip=skip),
+        _walk.make(keep, _take, _as_it_is, _tree.kind_for_packing, skip=skip),
+        _walk.make(keep, _take_carefully, _as_it_is, _tree.kind_for_packing, skip=skip),
     )
 
 
@@ -511,7 +515,7 @@ def take(
     Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
     a registered flatten.
     """
-    optimistic, careful = _takes(skip)
+    optimistic, careful = _takes(skip, devices)
     taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
     tensors = taking.tensors

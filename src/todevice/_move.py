@@ -577,7 +577,12 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
                 lay = _layout.layout(tuple(t.dtype for t in picked), tuple(t.shape for t in picked), s.plan.dtype)
             if s.streams is not None:
                 _order(picked[0], s)
-            got = _layout.read(_landed(s, _layout.gathered(picked, lay, dev)), lay, s.plan.dtype, made=s.buffers)
+            try:
+                buffer = _layout.gathered(picked, lay, dev)
+            except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
+                got = [_copy(t, s) for t in picked]
+            else:
+                got = _layout.read(_landed(s, buffer), lay, s.plan.dtype, made=s.buffers)
         for i, view in zip(indices, got):
             views[i] = view
     return views

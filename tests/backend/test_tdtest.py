@@ -485,8 +485,8 @@ def step(seed: int) -> dict[str, Any]:
 def one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
     """tdtest's views keep no storage of their own: the library's span check, run on the host memory behind them."""
 
-    def span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
-        host = real_span([t.raw for t in targets], lay)  # type: ignore[attr-defined]
+    def span(targets: list[torch.Tensor], lay: _layout.Layout, whole: bool = True) -> torch.Tensor | None:
+        host = real_span([t.raw for t in targets], lay, whole)  # type: ignore[attr-defined]
         return None if host is None else tdtest.wrap(host)
 
     real_span = _into._span
