@@ -198,6 +198,7 @@ class _Read(NamedTuple):
     shapes: list[torch.Size]  # the targets' (and, checked, the sources')
     dtypes: list[torch.dtype]  # the targets'
     on_host: list[bool]  # the sources'
+    nbytes: list[int]  # the sources'
 
 
 def _check(
@@ -208,6 +209,11 @@ def _check(
     Each property is read in one C loop; the pair at fault is looked for only when there is one.
     """
     shapes, dtypes, on_host = list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources))
+    try:
+        nbytes = list(map(_nbytes, sources))
+    except RuntimeError:  # a sparse source has none, and is no dense tensor to copy into out
+        _fault(sources, targets, out, dev, dtype)  # names its path
+        raise
     if (
         dtype is None
         and shapes == list(map(_shape, sources))
@@ -218,9 +224,9 @@ def _check(
         and len(set(map(id, targets))) == len(targets)
         and _writable(targets)
     ):
-        return _Read(shapes, dtypes, on_host)
+        return _Read(shapes, dtypes, on_host, nbytes)
     _fault(sources, targets, out, dev, dtype)
-    return _Read(shapes, dtypes, on_host)
+    return _Read(shapes, dtypes, on_host, nbytes)
 
 
 def _writable(targets: list[torch.Tensor]) -> bool:
@@ -274,11 +280,7 @@ def _copy(
     max_bytes: int,
 ) -> None:
     """The copies, on the current stream: the small host tensors together, the rest alone."""
-    try:
-        small = [i for i, (host, n) in enumerate(zip(read.on_host, map(_nbytes, sources))) if host and n <= max_bytes]
-    except RuntimeError:  # a sparse tensor has no nbytes, and is no dense tensor to copy into out
-        _fault(sources, targets, out, None, None)  # names its path
-        raise
+    small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
     lay = None
     every = len(small) == len(sources)
     if small:

@@ -502,9 +502,12 @@ def move(
     .. versionadded:: 0.1.0
     """
     if out is not None:
-        opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
         if _compiled_region():  # in a frame dynamo gave up on: see _traced.compiled
-            return _traced.compiled(obj, device, **dict(zip(_OPTIONS, opts)), out=out)  # type: ignore[arg-type,no-any-return]
+            return _traced.compiled(  # type: ignore[no-any-return]
+                obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
+                coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys, out=out,
+            )  # fmt: skip
+        opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
         return _into.into(obj, out, device, *opts)  # type: ignore[no-any-return]
     try:
         p = _plans[type(device), device, non_blocking, dtype]
@@ -532,8 +535,6 @@ def move(
     s.finish()
     return out
 
-
-_OPTIONS = ("non_blocking", "dtype", "coalesce", "coalesce_max_bytes", "stream", "strict", "skip_keys")
 
 # Where dynamo would inline move(), it inlines this instead (the attribute torch sets on its own
 # compiled and scripted functions): per-leaf copies it traces, at no cost to eager calls.
