@@ -228,7 +228,7 @@ def test_guard_skips_modules_without_tensors_of_their_own() -> None:
     g.remove()
 
 
-# ---------------------------------------------------------------- found in review
+# ---------------------------------------------------------------- regressions
 
 
 def test_devices_and_check_look_inside_objects_with_their_own_to() -> None:

@@ -1,4 +1,4 @@
-"""move(): properties against the reference, and one explicit case per rule of the core issue."""
+"""move(): properties against the reference, and one explicit case per rule it promises."""
 
 from __future__ import annotations
 
@@ -718,7 +718,7 @@ def test_mps_copies_from_pageable_memory_are_blocking(pinned: bool, expected: bo
     assert _PinRecorder.calls == [expected]
 
 
-# ---------------------------------------------------------------- found in review
+# ---------------------------------------------------------------- regressions
 
 
 def test_conjugate_and_negative_views_are_not_shared_with_their_base() -> None:
