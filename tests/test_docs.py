@@ -1,0 +1,51 @@
+"""The README and docs/api.md: the integration examples are the files that are run, and every link resolves."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "docs" / "api.md"]
+EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.py"))
+
+pytestmark = pytest.mark.skipif(not all(p.exists() for p in DOCS), reason="not run from a checkout")
+
+
+def code_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def test_the_readme_shows_every_example_exactly_as_it_is_run() -> None:
+    blocks = code_blocks((ROOT / "README.md").read_text())
+    assert EXAMPLES, "docs/examples holds no example"
+    for example in EXAMPLES:
+        assert example.read_text() in blocks, f"README.md does not show {example.name} as it is"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_resolves(doc: Path) -> None:
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text())
+    assert links
+    for link in links:
+        assert (doc.parent / link).exists(), f"{doc.name} links {link}, which does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_prose_lines_stay_readable(doc: Path) -> None:
+    """Wrapped prose reads in a terminal and in diffs; tables and code blocks may run longer."""
+    in_code = False
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and not line.startswith("|"):
+            assert len(line) <= 120, f"{doc.name}:{number} is {len(line)} characters long"
+
+
+def test_readme_anchors_name_its_own_sections() -> None:
+    text = (ROOT / "README.md").read_text()
+    sections = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    for anchor in re.findall(r"\]\(#([^)]+)\)", text):
+        assert anchor in sections, f"README.md links #{anchor}, which is no section"
