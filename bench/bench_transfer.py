@@ -13,10 +13,14 @@ the host, against per-leaf ``.cpu()`` and ``.item()``; and the host time per ste
 ``move(batch, out=static)`` into static device buffers, against a per-tensor ``copy_()``. On a
 machine without one, it says why it skipped.
 
-    python bench/bench_transfer.py [--rounds 100] [--json bench/results/transfer.json]  (run from the repository root)
+    python bench/bench_transfer.py [--rounds N] [--json PATH]
+
+Prints the table, with a verdict line below it, from any directory; todevice must be installed
+(``pip install -e .``). JSON goes only where ``--json`` says: ``--json bench/results/transfer.json``, from
+the repository root, refreshes the recorded results.
 """
 
 from todevice import _bench
 
 if __name__ == "__main__":
-    _bench.script(__doc__, _bench.transfer_main, "transfer", rounds=100)
+    _bench.script(__doc__, _bench.transfer_main, rounds=100)

@@ -1,15 +1,17 @@
-"""``python -m todevice info | bench``."""
+"""``python -m todevice info | bench``, and ``python -m todevice --version``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import optree
 import torch
 
 import todevice
-from todevice import _stream
+from todevice import _bench, _stream
 
 
 def info() -> None:
@@ -28,13 +30,11 @@ def info() -> None:
     print(f"default device: {acc.type if acc is not None else 'cpu'}")
 
 
-def accelerator_bench(device: str, rounds: int, json_path: str | None) -> int:
+def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapping[str, Any]) -> int:
     """``bench --device cuda``: the accelerator's tables, then its tests, in one JSON report."""
     import os
     import subprocess
     import time
-
-    from todevice import _bench
 
     try:
         dev = _stream.resolve_device(device)
@@ -54,43 +54,63 @@ def accelerator_bench(device: str, rounds: int, json_path: str | None) -> int:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         print(done.stdout[-3000:], flush=True)
         tests = {"exit_code": done.returncode, "seconds": time.perf_counter() - start, "tail": done.stdout[-3000:]}
-    _bench.write_json(json_path, {"device": str(dev), "tables": tables, "tests": tests})
+    result = {"device": str(dev), "tables": tables, "verdicts": tables["verdicts"], "tests": tests}
+    _bench.write_json(json_path, result, env)
     return 0 if tests.get("exit_code", 0) == 0 else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, Any]) -> int:
+    """``bench``: the four host tables, each with its verdict, then the JSON report where ``--json`` says."""
+    overhead = _bench.main(rounds=rounds, part=(1, 4))
+    print()
+    transfer = _bench.transfer_main(rounds=rounds, part=(2, 4))
+    print()
+    loader = _bench.loader_main(batches=batches, part=(3, 4))
+    print()
+    guard = _bench.guard_main(part=(4, 4))
+    verdicts = {**overhead["verdicts"], **transfer["verdicts"], **loader["verdicts"], **guard["verdicts"]}
+    result = {
+        "rows": overhead["rows"],
+        "transfer": {"host": transfer["host"], "device": transfer["device"]},
+        "loader": loader["rows"],
+        "guard": guard["rows"],
+        "verdicts": verdicts,
+    }
+    _bench.write_json(json_path, result, env)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m todevice", description=todevice.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"todevice {todevice.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,bench}")
     sub.add_parser("info", help="versions, accelerators, pinned memory and the default device")
-    bench = sub.add_parser(
+    bench_parser = sub.add_parser(
         "bench", help="time move() against the helper and the peers, the transfer engine and the DataLoader"
     )
-    bench.add_argument("--rounds", type=int, default=30, help="interleaved rounds per cell (default 30)")
-    bench.add_argument("--batches", type=int, default=20, help="DataLoader batches timed per cell (default 20)")
-    bench.add_argument("--json", default=None, help="also write the results to this JSON file")
-    bench.add_argument(
+    for option, default in (("rounds", 30), ("batches", 20)):
+        parse, text = _bench.OPTIONS[option]
+        bench_parser.add_argument(
+            f"--{option}", type=parse, default=default, metavar="N", help=f"{text} (default {default})"
+        )
+    bench_parser.add_argument("--json", type=_bench.json_path, default=None, metavar="PATH", help=_bench.JSON_HELP)
+    bench_parser.add_argument(
         "--device",
         default=None,
         help="an accelerator ('cuda'): its tables only (bandwidth, host time blocked, the prefetch loop, "
         "device to host, into static buffers), then tests/test_accelerator.py when run from a checkout",
     )
-    args = parser.parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
+    if args.command is None:
+        parser.error("expected a command, info or bench, got none; for example: python -m todevice bench")
     if args.command == "info":
         info()
-    elif args.device is not None:
-        return accelerator_bench(args.device, args.rounds, args.json)
-    else:
-        from todevice import _bench
-
-        overhead = _bench.main(rounds=args.rounds)
-        print()
-        transfer = _bench.transfer_main(rounds=args.rounds)
-        print()
-        loader = _bench.loader_main(batches=args.batches)
-        print()
-        guard = _bench.guard_main()
-        _bench.write_json(args.json, {"rows": overhead, "transfer": transfer, "loader": loader, "guard": guard})
-    return 0
+        return 0
+    env = _bench.environment(given, {k: v for k, v in vars(args).items() if k != "command"})
+    if args.device is not None:
+        return accelerator_bench(args.device, args.rounds, args.json, env)
+    return bench(args.rounds, args.batches, args.json, env)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,26 @@
 """The benchmarks: move() against the hand-written helper and the peers, the transfer engine, the DataLoader.
 
 Shipped inside the package so that ``python -m todevice bench`` works wherever todevice is
-installed; the scripts in ``bench/`` run the same code with more rounds and write JSON.
+installed; the scripts in ``bench/`` run the same code with more rounds. Each table is followed by a
+one-line verdict; JSON is written only where ``--json`` says, with the versions, the machine, the date
+and the arguments.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import datetime
 import functools
 import gc
+import importlib
+import importlib.metadata
 import json
+import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -99,10 +107,17 @@ def count_tensors(tree: Any, device: torch.device) -> tuple[int, int]:
 
 
 HELPER = "hand-written helper"
+Rows = list[dict[str, Any]]
+
+# The peers timed when installed: column name -> (module, function, the pip package that provides it).
+PEERS = {
+    "Lightning": ("lightning_fabric.utilities.apply_func", "move_data_to_device", "pytorch-lightning"),
+    "accelerate": ("accelerate.utils", "send_to_device", "accelerate"),
+}
 
 
 def contenders() -> tuple[dict[str, Callable[[Any, torch.device], Any]], list[str]]:
-    """Every function to time, by name, and the peers not installed."""
+    """Every function to time, by name, and the names of the peers not installed."""
     found: dict[str, Callable[[Any, torch.device], Any]] = {
         "todevice.move": lambda tree, dev: todevice.move(tree, dev),
         HELPER: recursive_to_device,
@@ -111,19 +126,22 @@ def contenders() -> tuple[dict[str, Callable[[Any, torch.device], Any]], list[st
         ),
     }
     missing: list[str] = []
-    try:
-        from lightning_fabric.utilities.apply_func import move_data_to_device
-
-        found["Lightning"] = move_data_to_device
-    except ImportError:
-        missing.append("Lightning (pip install pytorch-lightning)")
-    try:
-        from accelerate.utils import send_to_device
-
-        found["accelerate"] = send_to_device
-    except ImportError:
-        missing.append("accelerate (pip install accelerate)")
+    for name, (module, function, _) in PEERS.items():
+        try:
+            found[name] = getattr(importlib.import_module(module), function)
+        except ImportError:
+            missing.append(name)
     return found, missing
+
+
+def missing_note(missing: Sequence[str]) -> str:
+    """The line that names the peers not installed, so not timed, and how to install them."""
+    names = ", ".join(f"{name} (pip package {PEERS[name][2]})" for name in missing)
+    packages = " ".join(PEERS[name][2] for name in missing)
+    return (
+        f'Not installed, so not timed: {names}. To time them too: pip install ".[bench]" from a clone of '
+        f"todevice, or pip install {packages}."
+    )
 
 
 def interleaved(
@@ -176,24 +194,163 @@ def _per_sample(fn: Callable[[], Any]) -> int:
     return max(1, min(1000, int(50e-6 / max(time.perf_counter() - start, 1e-9))))
 
 
-def script(doc: str | None, run: Callable[..., Any], name: str, **defaults: int) -> None:
-    """The command line of a bench/ script: ``--json`` and one ``--<option>`` per default."""
-    import argparse
-    from pathlib import Path
+# ---------------------------------------------------------------- the command lines
 
+
+def at_least(option: str, minimum: int, why: str) -> Callable[[str], int]:
+    """An argparse ``type=`` for ``option``: a whole number of at least ``minimum``; ``why`` says why that many."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number of at least {minimum} ({why}), got {text!r}; pass {option} {minimum} or more"
+            )
+        return value
+
+    return parse
+
+
+# Each option of the command lines: its type, and its help before "(default N)".
+OPTIONS: dict[str, tuple[Callable[[str], int], str]] = {
+    "rounds": (
+        at_least("--rounds", 1, "each figure is a median over the rounds"),
+        "interleaved rounds per cell, 1 or more",
+    ),
+    "batches": (
+        at_least("--batches", 2, "the first batch only starts the workers and is not timed"),
+        "DataLoader batches per cell, 2 or more: the first only starts the workers",
+    ),
+}
+
+
+def json_path(text: str) -> str:
+    """An argparse ``type=`` for ``--json``: a file that can be written, checked before anything is timed."""
+    path = os.path.abspath(text)
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(
+            f"expected a file to write, got the folder {text!r}; name a file in it, "
+            f"such as {os.path.join(text, 'bench.json')}"
+        )
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(
+            f"expected a file in an existing folder, got {text!r}, and {folder} is not a folder; "
+            "create the folder first, or name a file in one that exists"
+        )
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(
+            f"expected a file this user can write, got {text!r}, which it cannot write (permission denied); "
+            "name a file in a folder you can write to"
+        )
+    return text
+
+
+JSON_HELP = "also write the results, the versions, the machine and the arguments to this JSON file"
+
+
+def script(
+    doc: str | None, run: Callable[..., dict[str, Any]], argv: Sequence[str] | None = None, **defaults: int
+) -> None:
+    """The command line of a bench/ script: one ``--<option>`` per default, and ``--json``.
+
+    Runs from any directory, and writes JSON only where ``--json`` says.
+    """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for option, value in defaults.items():
-        parser.add_argument(f"--{option}", type=int, default=value, help=f"default {value}")
-    parser.add_argument("--json", default=str(Path("bench") / "results" / f"{name}.json"), help="where the JSON goes")
-    args = vars(parser.parse_args())
-    run(json_path=args.pop("json"), **args)
+        parse, text = OPTIONS[option]
+        parser.add_argument(f"--{option}", type=parse, default=value, metavar="N", help=f"{text} (default {value})")
+    parser.add_argument("--json", type=json_path, default=None, metavar="PATH", help=f"{JSON_HELP}; none by default")
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = vars(parser.parse_args(given))
+    env = environment(given, args)
+    path = args.pop("json")
+    write_json(path, run(**args), env)
 
 
-def write_json(json_path: str | None, result: dict[str, Any]) -> None:
+def cpu_model() -> str:
+    """The CPU's model name: from /proc/cpuinfo where there is one, else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def peer_versions() -> dict[str, dict[str, str | None]]:
+    """Each peer's pip package and its installed version (None: not installed)."""
+    found: dict[str, dict[str, str | None]] = {}
+    for name, (_, _, package) in PEERS.items():
+        try:
+            version: str | None = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        found[name] = {"package": package, "version": version}
+    return found
+
+
+def environment(argv: Sequence[str] = (), options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the figures depend on, stored with them: versions, the machine, the date and the arguments.
+
+    Args:
+        argv: The command-line arguments as given.
+        options: Every option's value once parsed, defaults included.
+    """
+    acc = _stream.accelerator()
+    accelerators = _stream.available_devices()[1:-1]
+    if acc is not None and acc.type == "cuda":
+        accelerators = [f"{name} ({torch.cuda.get_device_name(i)})" for i, name in enumerate(accelerators)]
+    return {
+        "todevice": todevice.__version__,
+        "torch": torch.__version__,
+        "optree": optree.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "accelerators": accelerators,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(argv),
+        "options": dict(options or {}),
+        "peers": peer_versions(),
+    }
+
+
+def write_json(json_path: str | None, result: Mapping[str, Any], env: Mapping[str, Any]) -> None:
+    """``{"environment": env, **result}`` into ``json_path``; nothing when it is None."""
     if json_path is not None:
         with open(json_path, "w") as f:
-            json.dump({"environment": environment(), **result}, f, indent=2)
+            json.dump({"environment": dict(env), **result}, f, indent=2)
         print(f"wrote {json_path}")
+
+
+def progress(part: tuple[int, int], text: str) -> None:
+    """One line on stderr as a part starts, so a long part is not silent; the tables stay alone on stdout."""
+    sys.stdout.flush()
+    print(f"[{part[0]}/{part[1]}] {text} ...", file=sys.stderr, flush=True)
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}{'es' if word.endswith('ch') else 's'}"
+
+
+def _span(sizes: Sequence[int]) -> str:
+    low, high = min(sizes), max(sizes)
+    return f"{low:,} tensor{'s' if low > 1 else ''}" if low == high else f"{low:,} to {high:,} tensors"
+
+
+def _range(values: Sequence[float], fmt: str = "{:.2f}x") -> str:
+    low, high = min(values), max(values)
+    return fmt.format(low) if fmt.format(low) == fmt.format(high) else f"{fmt.format(low)} to {fmt.format(high)}"
 
 
 # The helper's time / move()'s time that move() aims for, by target and batch size.
@@ -214,13 +371,20 @@ def run(rounds: int = 30, sizes: Sequence[int] = (10, 100, 1000, 10_000), seed: 
         batches[f"nested with a dataclass, {n:,}"] = nested_batch(n)
     funcs, _ = contenders()
     rows: list[dict[str, Any]] = []
-    for bname, tree in batches.items():
-        for dev in (torch.device("cpu"), torch.device("meta")):
-            moved = {name: count_tensors(fn(tree, dev), dev) for name, fn in funcs.items()}  # also warms up
-            number = _per_sample(_repeat(recursive_to_device, [tree], dev))
-            calls = {name: _repeat(fn, [tree] * number, dev) for name, fn in funcs.items()}
-            rows.append(_row(bname, str(dev), interleaved(calls, rounds, rng), number, moved))
-    rows.extend(_history_rows(rounds, rng, funcs))
+    # What is alive now (torch, the peers, the batches) lives through the run. Frozen, it is left out of
+    # the collection before each cell, which then walks what the cells made, not some 300,000 objects.
+    gc.collect()
+    gc.freeze()
+    try:
+        for bname, tree in batches.items():
+            for dev in (torch.device("cpu"), torch.device("meta")):
+                moved = {name: count_tensors(fn(tree, dev), dev) for name, fn in funcs.items()}  # also warms up
+                number = _per_sample(_repeat(recursive_to_device, [tree], dev))
+                calls = {name: _repeat(fn, [tree] * number, dev) for name, fn in funcs.items()}
+                rows.append(_row(bname, str(dev), interleaved(calls, rounds, rng), number, moved))
+        rows.extend(_history_rows(rounds, rng, funcs))
+    finally:
+        gc.unfreeze()
     return rows
 
 
@@ -317,31 +481,51 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown(columns, lines)
 
 
-def environment() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "optree": optree.__version__,
-        "todevice": todevice.__version__,
-        "machine": platform.machine(),
-        "threads": torch.get_num_threads(),
-    }
+OVERHEAD = "move() against the hand-written helper and the peers"
+
+
+def overhead_verdict(rows: Rows) -> str:
+    """One line: ``move()`` against each row's target over the helper, by group of rows, and against the peers."""
+    groups: dict[tuple[str, float], Rows] = {}
+    for r in rows:
+        groups.setdefault((r["target"], r["target_x_helper"]), []).append(r)
+    parts = []
+    for (target, goal), group in sorted(groups.items(), key=lambda g: (g[0][0], min(r["tensors"] for r in g[1]))):
+        x = [r["x_vs_move"][HELPER] for r in group]
+        met = sum(v >= goal for v in x)
+        span = _span([r["tensors"] for r in group])
+        parts.append(f"{target}, {span}, >= {goal:.2f}x: {_range(x)}, {met} of {len(group)} met")
+    met = sum(r["x_vs_move"][HELPER] >= r["target_x_helper"] for r in rows)
+    outcome = "met" if met == len(rows) else "not met"
+    line = (
+        f"Target: move() at or above each row's target against the hand-written helper: {outcome}, "
+        f"{met} of {len(rows)} rows met ({'; '.join(parts)})"
+    )
+    peers = []
+    for name in PEERS:
+        x = [r["x_vs_move"][name] for r in rows if name in r["x_vs_move"]]
+        if x:
+            peers.append(f"than {name} in {sum(v > 1 for v in x)} of {len(x)} rows ({_range(x)})")
+    return line + (f"; move() is faster {' and '.join(peers)}." if peers else ".")
 
 
 def main(
-    rounds: int = 30, json_path: str | None = None, sizes: Sequence[int] = (10, 100, 1000, 10_000)
-) -> list[dict[str, Any]]:
-    _, missing = contenders()
+    rounds: int = 30, sizes: Sequence[int] = (10, 100, 1000, 10_000), part: tuple[int, int] = (1, 1)
+) -> dict[str, Any]:
+    """The table of move() against the helper and the peers, and its verdict: ``{"rows", "verdicts"}``."""
+    funcs, missing = contenders()
+    batches = len(small_batches()) + 2 * len(sizes)
+    what = f"{len(funcs)} contenders, {batches} batches to cpu and to meta, 5 more rows, {_count(rounds, 'round')} each"
+    progress(part, f"{OVERHEAD}: {what}")
     rows = run(rounds=rounds, sizes=sizes)
     print(
-        "move() against the hand-written helper and the peers. 'cpu': tensors already there (the cost of the "
-        "walk); 'meta': every tensor copied, with no data. Each contender column is its time over move()'s "
-        "(above 1.00x: move() is faster); 'target' is what move() aims for against the helper. Medians of "
-        "interleaved rounds."
+        f"{OVERHEAD}. 'cpu': tensors already there (the cost of the walk); 'meta': every tensor copied, "
+        "with no data. Each contender column is its time over move()'s (above 1.00x: move() is faster); "
+        "'target' is what move() aims for against the helper. Medians of interleaved rounds."
     )
     if missing:
-        print(f"Not installed, so not timed: {', '.join(missing)}.")
-    print(table(rows))
+        print(missing_note(missing))
+    print(table(rows) + "\n")
     in_place = {r["batch"]: r["median_us"] for r in rows if r["batch"].startswith("in place")}
     if in_place:
         base, after, control = (us["todevice.move"] for us in in_place.values())
@@ -349,8 +533,9 @@ def main(
             f"History: an in-place move of 1,000 tensors costs {after / base:.2f}x its back-to-back time right "
             f"after todevice moved another batch, and {control / base:.2f}x right after the helper moved it."
         )
-    write_json(json_path, {"rows": rows})
-    return rows
+    line = overhead_verdict(rows)
+    print(line, flush=True)
+    return {"rows": rows, "verdicts": {OVERHEAD: line}}
 
 
 # ---------------------------------------------------------------- the transfer benchmark
@@ -715,9 +900,6 @@ def static_host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
-Rows = list[dict[str, Any]]
-
-
 def verdict(rows: Rows, contender: str, key: str, target: float, claim: str) -> str:
     """One line: the target, whether ``contender``'s ``key`` met it in every row, and the figures."""
     got = {r["workload"]: r[key] for r in rows if r["contender"] == contender}
@@ -725,7 +907,7 @@ def verdict(rows: Rows, contender: str, key: str, target: float, claim: str) -> 
     return f"Target: {claim}: {met} ({'; '.join(f'{w}: {x:.1f}x' for w, x in got.items())})."
 
 
-def gpu_main(rounds: int = 10, json_path: str | None = None) -> dict[str, Any]:
+def gpu_main(rounds: int = 10) -> dict[str, Any]:
     """The accelerator's tables: bandwidth, host time blocked, prefetch, reads to the host, static buffers.
 
     A table's target, where it has one, is judged on a line below it, and kept under ``"verdicts"``.
@@ -800,25 +982,56 @@ def gpu_main(rounds: int = 10, json_path: str | None = None) -> dict[str, Any]:
             verdicts[title] = judge(rows)
             print(verdicts[title] + "\n", flush=True)
     result["verdicts"] = verdicts
-    write_json(json_path, result)
     return result
 
 
-def transfer_main(rounds: int = 30, json_path: str | None = None) -> dict[str, Any]:
+TRANSFER = "Transfer engine, host side"
+PACK_TARGET = 1.5  # pack(batch).unpack() and the coalesced move: at most this many times per-leaf .to('meta')
+
+
+def transfer_verdict(host: Rows) -> str:
+    """One line: the coalesced paths against their target over per-leaf ``.to('meta')``, and ``out=static``.
+
+    A copy into static buffers has no target on the host, so its line gives the figures beside per-tensor
+    ``copy_()``.
+    """
+    by_name = {r["contender"]: r for r in host}
+    judged = [by_name[name] for name in ("pack(batch).unpack()", "move(batch, 'meta', coalesce=True)")]
+    met = "met" if all(r["x_per_leaf_to"] <= PACK_TARGET for r in judged) else "not met"
+    figures = "; ".join(f"{r['contender']}: {r['x_per_leaf_to']:.2f}x" for r in judged)
+    ours, theirs = by_name["move(batch, out=static)"], by_name["per-tensor copy_() into meta"]
+    return (
+        f"Target: pack(batch).unpack() and move(batch, 'meta', coalesce=True) at most {PACK_TARGET:.1f}x per-leaf "
+        f".to('meta'): {met} ({figures}); move(batch, out=static) took {ours['median_us']:.0f} us against "
+        f"{theirs['median_us']:.0f} us for per-tensor copy_() into meta ({ours['x_per_leaf_to']:.2f}x), which has "
+        "no target on the host."
+    )
+
+
+def transfer_main(rounds: int = 30, part: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The transfer engine's host table and its verdict, then the accelerator's tables where there is one.
+
+    Returns:
+        ``{"host": rows, "device": the accelerator's tables or why they were skipped, "verdicts": lines}``.
+    """
+    acc = _stream.accelerator()
+    then = f"; then the accelerator's tables on {acc.type}" if acc is not None else ""
+    progress(part, f"{TRANSFER}: 2 workloads, {_count(rounds, 'round')} each{then}")
     host = host_rows(rounds=rounds) + static_host_rows(rounds=rounds)
-    print("Transfer engine, host side: what coalescing and copies into static buffers cost the host (medians).")
+    print(f"{TRANSFER}: what coalescing and copies into static buffers cost the host (medians).")
     columns = ["workload", "contender", ">median (us)", ">time / per-leaf copy to meta"]
     cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
-    print(markdown(columns, cells))
+    print(markdown(columns, cells) + "\n")
+    verdicts = {TRANSFER: transfer_verdict(host)}
+    print(verdicts[TRANSFER], flush=True)
     device: Any = "run python -m todevice bench --device cuda for the accelerator's tables"
-    if _stream.accelerator() is not None:
+    if acc is not None:
         print()
         device = gpu_main(rounds=max(3, rounds // 3))
+        verdicts.update(device["verdicts"])
     else:
         print("\nOn an accelerator: skipped, no accelerator on this machine.")
-    result = {"host": host, "device": device}
-    write_json(json_path, result)
-    return result
+    return {"host": host, "device": device, "verdicts": verdicts}
 
 
 # ---------------------------------------------------------------- the DataLoader benchmark
@@ -885,9 +1098,28 @@ def loader_rows(batches: int = 100, batch_size: int = 32, workers: int = 2) -> l
     return rows
 
 
-def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[str, Any]]:
+LOADER = "DataLoader"
+LOADER_OURS = "todevice.collate() + prefetch(..., 'cpu')"
+
+
+def loader_verdict(rows: Rows) -> str:
+    """One line: todevice's batches per second over default_collate's, and the segments per batch, by sample size."""
+    ours = [r for r in rows if r["contender"] == LOADER_OURS]
+    plain = [r for r in rows if r["contender"] == "default_collate"]
+    faster = sum(r["x_default_collate"] > 1 for r in ours)
+    figures = "; ".join(f"{r['tensors_per_sample']} tensors: {r['x_default_collate']:.2f}x" for r in ours)
+    return (
+        f"Against default_collate: {LOADER_OURS} is faster at {faster} of {len(ours)} sample sizes ({figures}); "
+        f"segments per batch: {_range([r['segments_per_batch'] for r in ours], '{:,}')} against "
+        f"{_range([r['segments_per_batch'] for r in plain], '{:,}')}."
+    )
+
+
+def loader_main(batches: int = 100, part: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The DataLoader table and its verdict: ``{"rows", "verdicts"}``."""
+    progress(part, f"{LOADER}: 2 workers, 3 sample sizes, 3 loaders each, {_count(batches, 'batch')} per loader")
     rows = loader_rows(batches=batches)
-    print("DataLoader, 2 workers, batches of 32: batches per second (higher is better).")
+    print(f"{LOADER}, 2 workers, batches of 32: batches per second (higher is better).")
     columns = [">tensors per sample", "contender", ">batches/s", ">x default_collate", ">segments per batch"]
     cells = [
         [
@@ -899,9 +1131,10 @@ def loader_main(batches: int = 100, json_path: str | None = None) -> list[dict[s
         ]
         for r in rows
     ]
-    print(markdown(columns, cells))
-    write_json(json_path, {"rows": rows})
-    return rows
+    print(markdown(columns, cells) + "\n")
+    line = loader_verdict(rows)
+    print(line, flush=True)
+    return {"rows": rows, "verdicts": {LOADER: line}}
 
 
 # ---------------------------------------------------------------- guard() overhead
@@ -937,14 +1170,31 @@ def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
-def guard_main(rounds: int = 200, json_path: str | None = None) -> list[dict[str, Any]]:
+GUARD = "guard() overhead"
+
+
+def guard_verdict(rows: Rows) -> str:
+    """One line: what guard() adds to a forward call, and what is left once it is removed."""
+    by_name = {r["contender"]: r for r in rows}
+    base, on, off = by_name["no guard"], by_name["guard(model)"], by_name["guard removed"]
+    return (
+        f"Against no guard ({base['median_us']:.1f} us a forward): guard(model) adds {on['overhead_us']:+.1f} us "
+        f"({on['overhead_us'] / base['median_us']:+.1%}), {on['overhead_us_per_hook']:+.2f} us per guarded module; "
+        f"once removed, it adds {off['overhead_us']:+.1f} us ({off['overhead_us'] / base['median_us']:+.1%})."
+    )
+
+
+def guard_main(rounds: int = 200, part: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The guard() table and its verdict: ``{"rows", "verdicts"}``."""
+    progress(part, f"{GUARD}: 3 models, {_count(rounds, 'round')}")
     rows = guard_rows(rounds=rounds)
-    print("guard() overhead per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians).")
+    print(f"{GUARD} per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians).")
     columns = ["model", ">forward (us)", ">overhead (us)", ">per guarded module (us)"]
     cells = [
         [r["contender"], f"{r['median_us']:.1f}", f"{r['overhead_us']:+.1f}", f"{r['overhead_us_per_hook']:+.2f}"]
         for r in rows
     ]
-    print(markdown(columns, cells))
-    write_json(json_path, {"rows": rows})
-    return rows
+    print(markdown(columns, cells) + "\n")
+    line = guard_verdict(rows)
+    print(line, flush=True)
+    return {"rows": rows, "verdicts": {GUARD: line}}
