@@ -120,7 +120,13 @@ def train(pipeline: str, rank: int, world: int) -> list[float]:
     data = Regression()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     collate_fn = todevice.collate() if pipeline == "todevice" else None
-    loader = DataLoader(data, batch_size=8, sampler=sampler, num_workers=2, collate_fn=collate_fn)
+    # A spawned process spawns its DataLoader workers too, each importing torch again, every epoch.
+    # Forked, they start at once, and safely: a fork copies the calling thread only, and the workers
+    # never touch the process group or the locks of gloo's threads; they collate CPU tensors on the
+    # one thread the DataLoader gives each. Fork is also what torchrun's jobs get on Linux.
+    loader = DataLoader(
+        data, batch_size=8, sampler=sampler, num_workers=2, collate_fn=collate_fn, multiprocessing_context="fork"
+    )
     batches: Any = todevice.prefetch(loader, "cpu") if pipeline == "todevice" else loader
     losses = []
     for epoch in range(2):

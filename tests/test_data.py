@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import socket
+import traceback
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,21 @@ def test_a_batch_crosses_from_a_worker_as_one_shared_buffer() -> None:
         assert len(packed.layout.order) == 53  # 50 fields, ids, mask, index: every tensor in the one buffer
 
 
+def test_a_batch_from_a_worker_used_before_unpacking_says_to_unpack_it() -> None:
+    """With workers, collate() hands the loop PackedBatches (without, the batches themselves)."""
+    loader = DataLoader(ds.DictData(n=4), batch_size=2, num_workers=2, collate_fn=todevice.collate())
+    plain = batches(ds.DictData(n=4), batch_size=2)
+    seen = 0
+    for packed, expected in zip(loader, plain):
+        with pytest.raises(
+            TypeError, match=r"holds a dict, .*\.unpack\(device\).*todevice\.prefetch\(loader, device\)"
+        ):
+            packed["f0"]
+        assert torch.equal(packed.unpack()["f0"], expected["f0"])
+        seen += 1
+    assert seen == 2
+
+
 def test_main_process_collate_moves_to_the_device() -> None:
     loader = DataLoader(ds.DictData(n=4), batch_size=2, collate_fn=todevice.collate(device="meta"))
     batch = next(iter(loader))
@@ -128,9 +144,13 @@ def test_collate_pickles_with_the_users_function() -> None:
 
 def test_a_worker_error_reaches_the_loop_with_its_type_and_message() -> None:
     loader = DataLoader(ds.DictData(n=12, fail_at=6), batch_size=4, num_workers=2, collate_fn=todevice.collate())
-    with pytest.raises(ValueError, match="sample 6 is broken"):
+    with pytest.raises(ValueError, match="sample 6 is broken") as caught:
         for _ in todevice.prefetch(loader, "cpu"):
             pass
+    # The error's frames hold the DataLoader's iterator, and torch's re-raise holds the error: a
+    # cycle. Left to the garbage collector, the iterator's queues are closed before it shuts its
+    # workers down, and it waits 5 s for each; with the frames cleared it shuts down now.
+    traceback.clear_frames(caught.tb)
 
 
 def test_a_source_error_surfaces_unchanged() -> None:
@@ -215,7 +235,11 @@ def test_prefetch_keeps_depth_batches_in_flight(fake_streams: dict[str, Any]) ->
 def test_prefetch_holds_at_most_depth_batches_beyond_the_one_in_use(
     fake_streams: dict[str, Any], monkeypatch: pytest.MonkeyPatch, depth: int
 ) -> None:
-    """Counted with weakrefs as each batch is started: a batch is handed over first, the next started after."""
+    """Counted with weakrefs as each batch is started: a batch is handed over first, the next started after.
+
+    With the garbage collector off, a batch counts as alive until reference counting frees it: one
+    kept by a reference cycle would hold its device memory until some later collection.
+    """
     alive: list[weakref.ref[torch.Tensor]] = []
     counts: list[int] = []
     real_move = todevice.move
@@ -223,14 +247,19 @@ def test_prefetch_holds_at_most_depth_batches_beyond_the_one_in_use(
     def tracked(batch: Any, dev: Any, *args: Any, **kwargs: Any) -> Any:
         out = real_move(batch, dev)
         alive.append(weakref.ref(out["x"]))
-        gc.collect()
         counts.append(sum(r() is not None for r in alive))
         return out
 
     monkeypatch.setattr(todevice, "move", tracked)
     source = [{"i": i, "x": torch.ones(1)} for i in range(8)]
-    for k, batch in enumerate(todevice.prefetch(source, "meta", depth=depth)):
-        assert batch["i"] == k
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for k, batch in enumerate(todevice.prefetch(source, "meta", depth=depth)):
+            assert batch["i"] == k
+    finally:
+        if collecting:
+            gc.enable()
     assert len(counts) == 8 and max(counts) == depth + 1  # the one in use, and depth on their way
 
 
@@ -281,7 +310,7 @@ def test_ddp_training_gives_the_same_losses(tmp_path: Path) -> None:
         assert result["todevice"] == result["plain"]
 
 
-# ---------------------------------------------------------------- found in review
+# ---------------------------------------------------------------- regressions
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

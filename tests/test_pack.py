@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import enum
 import gc
+import io
 import os
 import pickle
 import subprocess
 import sys
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -169,6 +172,138 @@ def test_move_accepts_a_packed_batch_anywhere() -> None:
 
 def test_packed_batch_repr() -> None:
     assert repr(todevice.pack([torch.ones(2), torch.ones(2)])) == "PackedBatch(2 tensors, 32 bytes, 1 groups)"
+
+
+# ---------------------------------------------------------------- a PackedBatch used as the batch
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: int
+
+
+def _first_of_two(batch: Any) -> Any:
+    x, _ = batch
+    return x
+
+
+# What the loop of a DataLoader with workers and collate() gets, used as the batch it holds.
+MISUSES: dict[str, Any] = {
+    "key": lambda b: b["x"],
+    "index": lambda b: b[0],
+    "slice": lambda b: b[1:],
+    "attribute": lambda b: b.image,
+    "method": lambda b: b.keys(),
+    "to": lambda b: b.to("cpu"),
+    "unpacking": _first_of_two,
+    "for": lambda b: [item for item in b],
+    "list": list,
+    "in": lambda b: "x" in b,
+}
+_HOW_TO_UNPACK = (
+    r"\.unpack\(device\), or \.unpack\(\) to keep its tensors on the host; "
+    r"or iterate through todevice\.prefetch\(loader, device\), which unpacks each batch"
+)
+
+
+@pytest.mark.parametrize("misuse", MISUSES.values(), ids=MISUSES.keys())
+def test_using_a_packed_batch_as_the_batch_says_to_unpack_it(misuse: Any) -> None:
+    packed = todevice.pack({"x": torch.ones(2), "label": 3})
+    with pytest.raises(
+        TypeError, match=rf"^'PackedBatch' object .*: this PackedBatch holds a dict, .*{_HOW_TO_UNPACK}\.$"
+    ):
+        misuse(packed)
+
+
+@pytest.mark.parametrize(
+    ("batch", "held"),
+    [
+        ({"x": torch.ones(2)}, "a dict"),
+        ((torch.ones(2), torch.zeros(2)), "a tuple"),
+        (Sample(torch.ones(2, 2), 1), "a Sample"),
+        (helpers.Point(torch.ones(2), "p"), "a Point"),
+        (torch.ones(3), "a Tensor"),  # one packed tensor: the skeleton is its slot
+        (torch.ones(1 << 15), "a Tensor"),  # one tensor too large to pack: the skeleton is the tensor
+        ([torch.ones(1)], "a list"),
+        (collections.OrderedDict(x=torch.ones(1)), "an OrderedDict"),
+    ],
+    ids=["dict", "tuple", "dataclass", "namedtuple", "tensor", "large-tensor", "list", "ordereddict"],
+)
+def test_the_message_names_what_the_packed_batch_holds(batch: Any, held: str) -> None:
+    packed = todevice.pack(batch)
+    with pytest.raises(TypeError, match=rf"this PackedBatch holds {held}, .* Get the \w+ back with \.unpack"):
+        packed[0]
+    with pytest.raises(
+        TypeError, match=rf"^'PackedBatch' object has no attribute 'image': this PackedBatch holds {held}"
+    ):
+        packed.image
+
+
+def test_a_missing_attribute_is_still_missing_to_hasattr_and_getattr() -> None:
+    packed = todevice.pack(Sample(torch.ones(2, 2), 1))
+    assert not hasattr(packed, "image") and getattr(packed, "image", None) is None
+    assert not hasattr(packed, "to") and getattr(packed, "to", "default") == "default"
+    assert hasattr(packed, "unpack") and hasattr(packed, "pin_memory") and hasattr(packed, "buffer")
+    with pytest.raises(AttributeError) as caught:
+        packed.imgae
+    assert caught.value.name == "imgae" and caught.value.obj is packed  # what "Did you mean" reads
+
+
+@pytest.mark.parametrize("name", ["_fields", "_repr_html_", "__setstate__", "__len__", "__array__"])
+def test_private_and_dunder_names_raise_the_plain_attribute_error(name: str) -> None:
+    """What protocols probe (pickle, IPython, namedtuple checks): Python's own error, nothing to explain."""
+    packed = todevice.pack({"x": torch.ones(2)})
+    with pytest.raises(AttributeError, match=rf"^'PackedBatch' object has no attribute '{name}'$") as caught:
+        getattr(packed, name)
+    assert not isinstance(caught.value, TypeError)
+    assert not hasattr(packed, name)
+
+
+def test_len_stays_undefined_so_a_packed_batch_is_true() -> None:
+    packed = todevice.pack({"x": torch.ones(2)})
+    assert packed
+    with pytest.raises(TypeError, match="has no len"):
+        len(packed)  # type: ignore[arg-type]
+
+
+def test_an_unfilled_packed_batch_explains_without_recursing() -> None:
+    """Unpickling makes the object before it sets its attributes: __getattr__ must not read them."""
+    empty = todevice.PackedBatch.__new__(todevice.PackedBatch)
+    assert not hasattr(empty, "skeleton") and not hasattr(empty, "__setstate__")
+    with pytest.raises(TypeError, match=r"holds a batch, .* Get the batch back with \.unpack"):
+        empty["x"]
+
+
+def _copies(packed: todevice.PackedBatch) -> dict[str, Any]:
+    saved = io.BytesIO()
+    torch.save(packed, saved)
+    saved.seek(0)
+    return {
+        "pickle": pickle.loads(pickle.dumps(packed)),
+        "copy": copy.copy(packed),
+        "deepcopy": copy.deepcopy(packed),
+        "torch.save": torch.load(saved, weights_only=False),  # a PackedBatch is not among the weights-only types
+    }
+
+
+def test_a_packed_batch_still_copies_pickles_and_saves() -> None:
+    batch = {"x": torch.randn(3), "r": helpers.Record(torch.arange(4), 7), "name": "b"}
+    for how, again in _copies(todevice.pack(batch)).items():
+        assert type(again) is todevice.PackedBatch, how
+        helpers.assert_same_tree(again.unpack(), batch, values=True, same=False)
+        with pytest.raises(TypeError, match="this PackedBatch holds a dict"):
+            again["x"]
+
+
+def test_structure_libraries_and_the_dataloader_see_a_packed_batch_as_a_leaf() -> None:
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    packed = todevice.pack({"x": torch.ones(2)})
+    assert optree.tree_leaves({"a": packed, "b": [packed]}) == [packed, packed]
+    assert torch.utils._pytree.tree_leaves({"a": packed}) == [packed]
+    assert type(pin_memory({"p": packed})["p"]) is todevice.PackedBatch  # the pin thread's walk: probes, then pins
+    assert todevice.move({"p": packed}, "meta")["p"]["x"].device == META
 
 
 # ---------------------------------------------------------------- layouts
@@ -454,22 +589,41 @@ def test_a_stream_of_another_device_is_refused() -> None:
 # ---------------------------------------------------------------- across a real device boundary
 
 
-def test_values_across_a_real_device_boundary() -> None:
-    """tests/backend: a PrivateUse1 test accelerator, in a process of its own (it changes torch)."""
-    env = {**os.environ, "TODEVICE_TDTEST": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/backend"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def _start_backend_tests() -> subprocess.Popen[str]:
+    """tests/backend, in a process of its own: its PrivateUse1 test accelerator changes torch for the whole process."""
+    # Plugins named, not found through entry points: pytest rewrites the asserts of every module in
+    # an entry point's distribution (all of hypothesis), seconds of work where no bytecode is cached.
+    env = {**os.environ, "TODEVICE_TDTEST": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_hypothesis_pytestplugin", "tests/backend"]
+    return subprocess.Popen(
+        [sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert " passed" in done.stdout and "skipped" not in done.stdout
 
 
-# ---------------------------------------------------------------- found in review
+@pytest.fixture(scope="module", autouse=True)
+def backend_tests(request: pytest.FixtureRequest) -> Iterator[subprocess.Popen[str] | None]:
+    """The tests/backend run, started with this module's first test when the test that reads it is to run.
+
+    Most of its seconds go to a new interpreter importing torch and hypothesis: started early, they
+    pass on another core while the tests before it run.
+    """
+    reader = f"{request.node.nodeid}::test_values_across_a_real_device_boundary"
+    run = _start_backend_tests() if any(item.nodeid == reader for item in request.session.items) else None
+    yield run
+    if run is not None and run.poll() is None:  # the reading test did not run to its end
+        run.kill()
+        run.communicate()
+
+
+def test_values_across_a_real_device_boundary(backend_tests: subprocess.Popen[str] | None) -> None:
+    """tests/backend: a PrivateUse1 test accelerator, in a process of its own (it changes torch)."""
+    assert backend_tests is not None
+    stdout, stderr = backend_tests.communicate(timeout=600)
+    assert backend_tests.returncode == 0, stdout + stderr
+    assert " passed" in stdout and "skipped" not in stdout
+
+
+# ---------------------------------------------------------------- regressions
 
 
 @pytest.mark.parametrize(
@@ -853,7 +1007,7 @@ def test_a_large_block_unlike_the_last_one(change: Any) -> None:
     helpers.assert_same_tree(out, helpers.reference_move(tree, "meta"))
 
 
-# ---------------------------------------------------------------- found in review
+# ---------------------------------------------------------------- regressions
 
 
 class _StrKey(str, enum.Enum):

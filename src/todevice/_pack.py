@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from todevice import _layout, _move, _options, _traced, _walk
+from todevice import _layout, _move, _options, _traced, _tree, _walk
 
 _needs_grad = operator.attrgetter("requires_grad")
 
@@ -88,6 +88,17 @@ class PackedBatch:
     that cannot be packed, such as sparse ones, stay in the structure as they are). It pickles as
     one buffer plus a small header, and :func:`todevice.move` accepts it anywhere in a structure.
 
+    It is not the batch: :meth:`unpack` gives the batch back. A DataLoader with
+    ``collate_fn=todevice.collate()`` and ``num_workers > 0`` hands the loop PackedBatches (with
+    ``num_workers=0`` it hands over the batches themselves), so a loop written for the batch fails on
+    the first access. Indexing (``packed["x"]``, ``packed[0]``), iterating or unpacking
+    (``x, y = packed``, ``"x" in packed``), and reading an attribute the batch has but a PackedBatch
+    has not (``packed.image``, ``packed.to(device)``) raise a TypeError that says so: call
+    ``.unpack(device)``, or iterate through :func:`todevice.prefetch`, which unpacks each batch.
+    That error is an AttributeError too, so ``hasattr()`` and ``getattr()`` with a default answer as
+    for any missing attribute. Names starting with ``_`` raise a plain AttributeError. ``len()``
+    is not defined, so a PackedBatch is always true.
+
     Example:
         >>> import torch, todevice
         >>> packed = todevice.pack({"x": torch.arange(3), "y": [torch.ones(2, 2), "label"]})
@@ -96,6 +107,11 @@ class PackedBatch:
         >>> out = packed.unpack()
         >>> out["x"], out["y"][1]
         (tensor([0, 1, 2]), 'label')
+        >>> try:
+        ...     packed["x"]
+        ... except TypeError as err:
+        ...     print(err)  # doctest: +ELLIPSIS
+        'PackedBatch' object is not subscriptable: this PackedBatch holds a dict, ... .unpack(device), ...
 
     .. versionadded:: 0.1.0
     """
@@ -117,6 +133,33 @@ class PackedBatch:
     def __repr__(self) -> str:
         n = len(self.layout.order)
         return f"PackedBatch({n} tensors, {self.layout.nbytes} bytes, {len(self.layout.groups)} groups)"
+
+    # The loop of a DataLoader with workers gets PackedBatches where, without workers, it gets the
+    # batch: every way of using one as the batch explains that, instead of Python's bare message.
+
+    def __getitem__(self, key: Any) -> NoReturn:
+        raise _UnpackFirst(f"'PackedBatch' object is not subscriptable: {_unpack_first(self)}")
+
+    def __iter__(self) -> NoReturn:
+        # Also what `x, y = packed` reaches. Raising here, not leaving iteration to __getitem__,
+        # keeps iter() refusing a PackedBatch at once, as it always did.
+        raise _UnpackFirst(f"'PackedBatch' object is not iterable: {_unpack_first(self)}")
+
+    def __contains__(self, item: Any) -> NoReturn:
+        # `in` would fall back to __iter__, but replaces a TypeError from it with its own message.
+        raise _UnpackFirst(f"'PackedBatch' object does not support 'in': {_unpack_first(self)}")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the instance and its class lack. Protocols probe private and dunder names
+        # (__setstate__ while unpickling, _repr_html_, _fields): those stay the plain error. The
+        # rest is an AttributeError too, so hasattr(), getattr(..., default) and the DataLoader's
+        # probes read it as a missing attribute.
+        if name.startswith("_"):
+            err: AttributeError = AttributeError(f"'PackedBatch' object has no attribute {name!r}")
+        else:
+            err = _UnpackFirst(f"'PackedBatch' object has no attribute {name!r}: {_unpack_first(self)}")
+        err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
+        raise err
 
     def _todevice_move_(self, state: _move.State) -> Any:
         """How the walk of :func:`todevice.move` moves a packed batch it meets: unpacked onto its target."""
@@ -157,3 +200,34 @@ class PackedBatch:
         if _traced.compiling():  # per-leaf copies, which the compiler schedules
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
         return _move.unpack_to(self, "cpu" if device is None else device, non_blocking)
+
+
+class _UnpackFirst(TypeError, AttributeError):
+    """A PackedBatch used as the batch it holds.
+
+    A TypeError, as Python raises for indexing or iterating what cannot be; an AttributeError, so
+    that a missing attribute still reads as missing to hasattr() and getattr() with a default.
+    """
+
+
+def _unpack_first(packed: PackedBatch) -> str:
+    """What the batch is, and how to get it: the end of every _UnpackFirst message."""
+    # Read from __dict__: __getattr__ may run on an instance that unpickling has not filled yet,
+    # and reading a missing attribute here would call it again.
+    skeleton = packed.__dict__.get("skeleton", _NOTHING)
+    if skeleton is _NOTHING:
+        held = "batch"
+    elif isinstance(skeleton, _tree.Slot):  # the batch is one packed tensor
+        held = "Tensor"
+    else:
+        held = type(skeleton).__qualname__
+    article = "an" if held[:1].lower() in "aeiou" else "a"
+    return (
+        f"this PackedBatch holds {article} {held}, packed into one buffer by todevice.pack() (a DataLoader "
+        f"worker packs each batch with collate_fn=todevice.collate()). Get the {held} back with "
+        f".unpack(device), or .unpack() to keep its tensors on the host; or iterate through "
+        f"todevice.prefetch(loader, device), which unpacks each batch."
+    )
+
+
+_NOTHING = object()
