@@ -8,7 +8,7 @@ import torch
 
 # Leaves up to this size are packed into one buffer and sent in one copy when moving from the host
 # to an accelerator. Packing a leaf costs a host memcpy; sending it alone costs a copy launch and an
-# allocation, 5 to 7 us on a GPU. Measured here, a 64 KiB host copy takes 3.4 to 10 us (8 KiB:
+# allocation, 5 to 7 us on a GPU. On a 2-core x86 CPU, a 64 KiB host copy takes 3.4 to 10 us (8 KiB:
 # 1.0 us, 16 KiB: 1.4 us, 128 KiB: 4.3 us; medians of quiet and of busy runs): at 64 KiB the memcpy
 # about equals the launch it saves, and beyond it the launch is the cheaper.
 COALESCE_MAX_BYTES = 64 * 1024
