@@ -227,8 +227,9 @@ def test_using_a_packed_batch_as_the_batch_says_to_unpack_it(misuse: Any) -> Non
         (torch.ones(1 << 15), "a Tensor"),  # one tensor too large to pack: the skeleton is the tensor
         ([torch.ones(1)], "a list"),
         (collections.OrderedDict(x=torch.ones(1)), "an OrderedDict"),
+        (collections.UserDict(x=torch.ones(1)), "a UserDict"),
     ],
-    ids=["dict", "tuple", "dataclass", "namedtuple", "tensor", "large-tensor", "list", "ordereddict"],
+    ids=["dict", "tuple", "dataclass", "namedtuple", "tensor", "large-tensor", "list", "ordereddict", "userdict"],
 )
 def test_the_message_names_what_the_packed_batch_holds(batch: Any, held: str) -> None:
     packed = todevice.pack(batch)
@@ -238,6 +239,29 @@ def test_the_message_names_what_the_packed_batch_holds(batch: Any, held: str) ->
         TypeError, match=rf"^'PackedBatch' object has no attribute 'image': this PackedBatch holds {held}"
     ):
         packed.image
+
+
+@pytest.mark.parametrize("misuse", ["index", "for", "in"])
+def test_indexing_iterating_and_in_are_not_attribute_errors(misuse: str) -> None:
+    """`except (KeyError, AttributeError)` around `batch[k]` must not swallow the advice to unpack."""
+    packed = todevice.pack({"x": torch.ones(2)})
+    with pytest.raises(TypeError) as caught:
+        MISUSES[misuse](packed)
+    assert not isinstance(caught.value, AttributeError)
+
+
+def test_the_message_names_a_registered_type_by_its_own_name() -> None:
+    class Crate:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    todevice.register(Crate, lambda c: ([c.t], None), lambda aux, ch: Crate(ch[0]))
+    try:
+        packed = todevice.pack(Crate(torch.ones(2)))
+        with pytest.raises(TypeError, match=r"holds a Crate, .* Get the Crate back with \.unpack"):
+            packed.t
+    finally:
+        todevice.unregister(Crate)
 
 
 def test_a_missing_attribute_is_still_missing_to_hasattr_and_getattr() -> None:
@@ -477,6 +501,27 @@ def test_pinned_memory_is_allocated_under_the_target_device(monkeypatch: pytest.
     assert entered == [1]
     _stream.pinned(8, torch.uint8, torch.device("cuda", 0))  # the current device already
     assert entered == [1]
+
+
+def test_without_torch_accelerator_device_index_the_device_is_made_current_and_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.6 and 2.7 have no torch.accelerator.device_index, and 2.6 names the setter set_device_idx."""
+    current = [0]
+    made_current: list[int] = []
+
+    def set_device_idx(index: int) -> None:
+        made_current.append(index)
+        current[0] = index
+
+    monkeypatch.delattr(_stream.torch.accelerator, "device_index")
+    monkeypatch.delattr(_stream.torch.accelerator, "set_device_index")
+    monkeypatch.setattr(_stream.torch.accelerator, "set_device_idx", set_device_idx, raising=False)
+    monkeypatch.setattr(_stream, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(_stream, "current_index", lambda: current[0])
+    with _stream.on_device(torch.device("cuda", 1)):
+        assert current == [1]
+    assert made_current == [1, 0] and current == [0]
 
 
 # ---------------------------------------------------------------- streams, with stand-ins

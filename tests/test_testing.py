@@ -40,23 +40,6 @@ def recursive_to_device(data: Any, device: Any) -> Any:
     return data
 
 
-def _moves_mappings() -> bool:
-    """Whether move() rebuilds a collections.abc.Mapping that is not a dict (it did not always)."""
-    try:
-        out = todevice.move(collections.UserDict({"t": torch.ones(1)}), "meta")
-        return type(out) is collections.UserDict and out["t"].device == META
-    except Exception:
-        return False
-
-
-NOT_YET = {"Mapping": "move() does not rebuild collections.abc.Mapping (UserDict) yet"}
-
-
-def xfail_if_unsupported(kind: str) -> Any:
-    unsupported = kind == "Mapping" and not _moves_mappings()
-    return pytest.param(kind, marks=pytest.mark.xfail(unsupported, reason=NOT_YET.get(kind, ""), strict=False), id=kind)
-
-
 # ---------------------------------------------------------------- the module
 
 
@@ -500,7 +483,7 @@ def test_compare_shrinks_each_example(helper_report: tt.Report) -> None:
     assert "Handled as todevice.move() does: tensors, dict, list." in text
 
 
-@pytest.mark.parametrize("kind", [xfail_if_unsupported(k) for k in tt.KINDS])
+@pytest.mark.parametrize("kind", tt.KINDS)
 def test_compare_finds_nothing_wrong_with_move_itself(kind: str) -> None:
     report = compare(todevice.move, containers=[kind], aliasing=False)
     assert report.ok, report

@@ -8,7 +8,7 @@ from todevice._pack import PackedBatch, pack
 from todevice._tree import register, unregister
 from todevice.errors import DeviceMismatchError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [  # noqa: RUF022 (grouped by capability, as the style guide asks)
     # moving

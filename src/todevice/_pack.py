@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -136,30 +136,33 @@ class PackedBatch:
 
     # The loop of a DataLoader with workers gets PackedBatches where, without workers, it gets the
     # batch: every way of using one as the batch explains that, instead of Python's bare message.
+    # Hidden from type checkers, which would otherwise take every attribute to exist and a
+    # PackedBatch to be indexable and iterable.
+    if not TYPE_CHECKING:
 
-    def __getitem__(self, key: Any) -> NoReturn:
-        raise _UnpackFirst(f"'PackedBatch' object is not subscriptable: {_unpack_first(self)}")
+        def __getitem__(self, key):
+            raise _UnpackFirst(f"'PackedBatch' object is not subscriptable: {_unpack_first(self)}")
 
-    def __iter__(self) -> NoReturn:
-        # Also what `x, y = packed` reaches. Raising here, not leaving iteration to __getitem__,
-        # keeps iter() refusing a PackedBatch at once, as it always did.
-        raise _UnpackFirst(f"'PackedBatch' object is not iterable: {_unpack_first(self)}")
+        def __iter__(self):
+            # Also what `x, y = packed` reaches. Raising here, not leaving iteration to __getitem__,
+            # keeps iter() refusing a PackedBatch at once, as it always did.
+            raise _UnpackFirst(f"'PackedBatch' object is not iterable: {_unpack_first(self)}")
 
-    def __contains__(self, item: Any) -> NoReturn:
-        # `in` would fall back to __iter__, but replaces a TypeError from it with its own message.
-        raise _UnpackFirst(f"'PackedBatch' object does not support 'in': {_unpack_first(self)}")
+        def __contains__(self, item):
+            # `in` would fall back to __iter__, but replaces a TypeError from it with its own message.
+            raise _UnpackFirst(f"'PackedBatch' object does not support 'in': {_unpack_first(self)}")
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for names the instance and its class lack. Protocols probe private and dunder names
-        # (__setstate__ while unpickling, _repr_html_, _fields): those stay the plain error. The
-        # rest is an AttributeError too, so hasattr(), getattr(..., default) and the DataLoader's
-        # probes read it as a missing attribute.
-        if name.startswith("_"):
-            err: AttributeError = AttributeError(f"'PackedBatch' object has no attribute {name!r}")
-        else:
-            err = _UnpackFirst(f"'PackedBatch' object has no attribute {name!r}: {_unpack_first(self)}")
-        err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
-        raise err
+        def __getattr__(self, name):
+            # Only for names the instance and its class lack. Protocols probe private and dunder
+            # names (__setstate__ while unpickling, _repr_html_, _fields): those stay the plain
+            # error. The rest is an AttributeError too, so hasattr(), getattr(..., default) and the
+            # DataLoader's probes read it as a missing attribute.
+            if name.startswith("_"):
+                err = AttributeError(f"'PackedBatch' object has no attribute {name!r}")
+            else:
+                err = _NoSuchAttribute(f"'PackedBatch' object has no attribute {name!r}: {_unpack_first(self)}")
+            err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
+            raise err
 
     def _todevice_move_(self, state: _move.State) -> Any:
         """How the walk of :func:`todevice.move` moves a packed batch it meets: unpacked onto its target."""
@@ -202,11 +205,14 @@ class PackedBatch:
         return _move.unpack_to(self, "cpu" if device is None else device, non_blocking)
 
 
-class _UnpackFirst(TypeError, AttributeError):
-    """A PackedBatch used as the batch it holds.
+class _UnpackFirst(TypeError):
+    """A PackedBatch used as the batch it holds: a TypeError, as Python raises for indexing what cannot be."""
 
-    A TypeError, as Python raises for indexing or iterating what cannot be; an AttributeError, so
-    that a missing attribute still reads as missing to hasattr() and getattr() with a default.
+
+class _NoSuchAttribute(_UnpackFirst, AttributeError):
+    """An attribute of the batch read from the PackedBatch that holds it.
+
+    Also an AttributeError, so that it still reads as missing to hasattr() and getattr() with a default.
     """
 
 
@@ -219,9 +225,11 @@ def _unpack_first(packed: PackedBatch) -> str:
         held = "batch"
     elif isinstance(skeleton, _tree.Slot):  # the batch is one packed tensor
         held = "Tensor"
+    elif type(skeleton) is _tree.Deferred:  # a registered type, rebuilt when unpacked
+        held = skeleton.cls.__name__
     else:
-        held = type(skeleton).__qualname__
-    article = "an" if held[:1].lower() in "aeiou" else "a"
+        held = type(skeleton).__name__
+    article = "an" if held[:1].lower() in "aeio" else "a"  # a UserDict, an OrderedDict
     return (
         f"this PackedBatch holds {article} {held}, packed into one buffer by todevice.pack() (a DataLoader "
         f"worker packs each batch with collate_fn=todevice.collate()). Get the {held} back with "

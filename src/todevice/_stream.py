@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Union
 
 import torch
@@ -91,6 +92,23 @@ def current_index() -> int:
     return index
 
 
+def set_index(index: int) -> None:
+    """Make device ``index`` of the accelerator current (``set_device_idx`` before torch 2.7)."""
+    set_current = getattr(torch.accelerator, "set_device_index", None) or torch.accelerator.set_device_idx
+    set_current(index)
+
+
+@contextlib.contextmanager
+def _index_current(index: int) -> Iterator[None]:
+    """``torch.accelerator.device_index(index)``, which torch 2.6 and 2.7 lack."""
+    before = current_index()
+    set_index(index)
+    try:
+        yield
+    finally:
+        set_index(before)
+
+
 def resolve_device(device: DeviceLike) -> torch.device:
     """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached.
 
@@ -145,7 +163,8 @@ def on_device(device: torch.device) -> Any:
     """
     if device.index is None or not is_accelerator(device) or device.index == current_index():
         return contextlib.nullcontext()
-    return torch.accelerator.device_index(device.index)
+    index_current = getattr(torch.accelerator, "device_index", None) or _index_current
+    return index_current(device.index)
 
 
 def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -210,7 +229,7 @@ def leave_stream(entered: Entered) -> None:
     """Undo :func:`enter_stream`: the user's stream, and the device that was current, are current again."""
     torch.accelerator.set_stream(entered.user)
     if entered.device_index is not None and current_index() != entered.device_index:
-        torch.accelerator.set_device_index(entered.device_index)
+        set_index(entered.device_index)
 
 
 def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor]) -> None:

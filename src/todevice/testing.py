@@ -22,7 +22,7 @@ Example:
     (False, ['namedtuple'])
     >>> todevice.testing.assert_moved(todevice.move({"x": torch.ones(2)}, "meta"), {"x": torch.ones(2)}, "meta")
 
-.. versionadded:: 0.1.0
+.. versionadded:: 0.2.0
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def tensors(
         TypeError: ``dtypes`` holds something other than a ``torch.dtype``.
         ValueError: ``dtypes`` is empty.
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0
     """
     grads = st.booleans() if requires_grad is None else st.just(bool(requires_grad))
     return st.builds(
@@ -440,7 +440,7 @@ def batches(
             is below 1.
         TypeError: ``dtypes`` holds something other than a ``torch.dtype``.
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0
     """
     kinds = _check_kinds(containers)
     if max_leaves < 1:
@@ -1096,7 +1096,7 @@ def assert_moved(
             structure (``['x'][2].field``), what was expected there and what came instead.
         TypeError: ``skip_keys`` is neither a str nor a collection of str.
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0
     """
     _Checker(_target(device), dtype, _skip_set(skip_keys)).run(result, source)
 
@@ -1157,7 +1157,7 @@ class Mismatch(NamedTuple):
             exception the helper raised, or how it changed its input); None where it is right.
         move_message: The same for ``todevice.move()``'s result; None where it is right.
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0
     """
 
     kind: str
@@ -1177,7 +1177,7 @@ class Report:
         max_examples: The most batches tried per kind.
         mismatches: One per kind where the helper's result, or ``todevice.move()``'s, is wrong.
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0
     """
 
     helper: str
@@ -1340,7 +1340,7 @@ def compare(
             ``device`` is not a valid or available device (as :func:`todevice.move` says).
         TypeError: ``device`` has the wrong type.
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0
     """
     kinds = _check_kinds(containers)
     if max_examples < 1:
