@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import todevice
-from todevice import _bench
+from todevice import _bench, _stream
 from todevice.__main__ import main
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -185,6 +185,133 @@ def test_bench_refuses_a_json_path_it_cannot_write(
     one_line_error(capsys.readouterr().err, "which it cannot write (permission denied)")
 
 
+@pytest.mark.usefixtures("nothing_timed")
+@pytest.mark.parametrize(
+    ("where", "expected"),
+    [
+        ("missing" + os.sep, "a file to write, got '{}', which ends in a path separator as a folder does; name a "),
+        ("x" * 300 + ".json", "a file this user can write, got '{}', which cannot be opened for writing ("),
+    ],
+    ids=["a missing folder with a trailing separator", "a name too long to open"],
+)
+def test_bench_refuses_a_json_path_it_could_not_open_after_the_run(
+    where: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tmp_path / where) + (os.sep if where.endswith(os.sep) else "")
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--rounds", "1", "--json", path])
+    assert exit.value.code == 2
+    one_line_error(capsys.readouterr().err, f"argument --json: expected {expected.format(path)}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_json_path_check_leaves_files_as_it_found_them(tmp_path: Path) -> None:
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("{}")
+    assert _bench.json_path(str(new)) == str(new) and _bench.json_path(str(old)) == str(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"] and old.read_text() == "{}"
+
+
+def gone_before_the_write(folder: Path, result: dict[str, Any]) -> Any:
+    """A part of the benchmark that returns ``result`` after removing ``folder``, the --json file's."""
+
+    def part(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        folder.rmdir()
+        return result
+
+    return part
+
+
+def test_bench_prints_the_json_and_exits_1_when_the_file_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    path = str(folder / "out.json")
+    for name, title in [("main", "overhead"), ("loader_main", "loader")]:
+        monkeypatch.setattr(_bench, name, lambda title=title, **kwargs: {"rows": [title], "verdicts": {title: "v"}})
+    monkeypatch.setattr(_bench, "transfer_main", lambda **kwargs: {"host": [], "device": "none", "verdicts": {}})
+    monkeypatch.setattr(_bench, "guard_main", gone_before_the_write(folder, {"rows": [], "verdicts": {}}))
+    assert main(["bench", "--json", path]) == 1
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"error: could not write {path} (No such file or directory); the JSON follows on stdout instead"
+    ]
+    data = json.loads(out[out.index('{\n  "environment"') :])
+    assert data["rows"] == ["overhead"] and data["verdicts"] == {"overhead": "v", "loader": "v"}
+    assert list(tmp_path.iterdir()) == []
+    # The scripts in bench/ too.
+    folder.mkdir()
+    with pytest.raises(SystemExit) as exit:
+        _bench.script(None, gone_before_the_write(folder, {"rows": [1]}), ["--json", path], rounds=1)
+    assert exit.value.code == 1
+    out, err = capsys.readouterr()
+    assert f"error: could not write {path} (" in err and json.loads(out)["rows"] == [1]
+
+
+def on_an_accelerator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[int]:
+    """``--device meta`` names an accelerator whose tables come back at once, run from tmp_path.
+
+    Returns:
+        The rounds of each run of the tables, as they run.
+    """
+    rounds_run: list[int] = []
+
+    def gpu_main(rounds: int) -> dict[str, Any]:
+        rounds_run.append(rounds)
+        return {"t": [], "verdicts": {"t": "met"}}
+
+    monkeypatch.setattr(_stream, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(_bench, "gpu_main", gpu_main)
+    monkeypatch.chdir(tmp_path)
+    return rounds_run
+
+
+def test_accelerator_tests_that_time_out_keep_the_tables_and_exit_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    on_an_accelerator(monkeypatch, tmp_path)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_accelerator.py").write_text("")
+
+    run = subprocess.run
+
+    def slow(cmd: list[str], **kwargs: Any) -> Any:
+        if "tests/test_accelerator.py" not in cmd:  # what the platform module runs to describe the machine
+            return run(cmd, **kwargs)
+        assert kwargs["timeout"] == 240
+        raise subprocess.TimeoutExpired(cmd, 240, output=b"tests/test_accelerator.py ..")  # bytes, as on POSIX
+
+    monkeypatch.setattr(subprocess, "run", slow)
+    assert main(["bench", "--device", "meta", "--json", "out.json"]) == 1
+    out = capsys.readouterr().out
+    assert "tests/test_accelerator.py: stopped after 240 s, not finished." in out.splitlines()
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["tables"] == {"t": [], "verdicts": {"t": "met"}} and data["verdicts"] == {"t": "met"}
+    tests = data["tests"]
+    assert tests.pop("seconds") >= 0
+    assert tests == {"timed_out": True, "tail": "tests/test_accelerator.py .."}
+
+
+def test_bench_on_an_accelerator_records_the_rounds_it_runs_and_refuses_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rounds = on_an_accelerator(monkeypatch, tmp_path)
+    assert main(["bench", "--device", "meta", "--json", "out.json"]) == 0
+    assert main(["bench", "--device", "meta", "--rounds", "4", "--json", "four.json"]) == 0
+    assert rounds == [10, 4]
+    out = capsys.readouterr().out
+    assert "The accelerator's tables on meta: 10 rounds (--device runs at most 10)." in out.splitlines()
+    env = json.loads((tmp_path / "out.json").read_text())["environment"]
+    assert env["options"] == {"rounds": 10, "batches": None, "json": "out.json", "device": "meta"}
+    assert json.loads((tmp_path / "four.json").read_text())["environment"]["options"]["rounds"] == 4
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--device", "meta", "--batches", "5"])
+    assert exit.value.code == 2
+    one_line_error(capsys.readouterr().err, "argument --batches: not with --device, whose tables have no DataLoader")
+    assert rounds == [10, 4]
+
+
 def test_bench_on_a_device_that_is_not_an_accelerator_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--device", "cpu"]) == 2
     assert "--device must name an accelerator; cpu is not one" in capsys.readouterr().err
@@ -296,6 +423,98 @@ def test_the_verdicts_are_computed_from_the_rows() -> None:
         "Against no guard (80.0 us a forward): guard(model) adds +16.0 us (+20.0%), +2.00 us per guarded module; "
         "once removed, it adds +0.4 us (+0.5%)."
     )
+
+
+def device_rows(x_leaf: float, x_single: float) -> list[dict[str, Any]]:
+    """Rows of the host-to-device table: the pinned copy, then move() and per-leaf .to() on two workloads."""
+    rows: list[dict[str, Any]] = [
+        {"workload": "one pinned 128 MiB copy", "contender": "tensor.to()", "ms": 5.0, "gb_per_s": 26.8}
+        | {"x_single_copy": 1.0, "x_per_leaf_to": None}
+    ]
+    for workload in ("1,000 x 4 KiB", "8 x 16 MiB"):
+        for kind, scale in (("pageable", 1.0), ("pinned", 1.5)):
+            for contender, x in (("todevice.move", scale), ("per-leaf .to(non_blocking=True)", 1.0)):
+                rows.append(
+                    {
+                        "workload": f"{workload}, {kind}",
+                        "contender": contender,
+                        "ms": 1.0,
+                        "gb_per_s": 1.0,
+                        "x_single_copy": x * x_single / 1.5 if contender == "todevice.move" else 0.5,
+                        "x_per_leaf_to": x * x_leaf if contender == "todevice.move" else 1.0,
+                    }
+                )
+    return rows
+
+
+def test_the_accelerator_verdicts_are_computed_from_the_rows() -> None:
+    assert _bench.to_device_verdict(device_rows(x_leaf=12.0, x_single=0.9)) == (
+        "Target: move() at least 10x faster than per-leaf .to() at 1,000 small tensors, end to end: met "
+        "(1,000 x 4 KiB, pageable: 12.0x; 1,000 x 4 KiB, pinned: 18.0x). Target: move() of 8 x 16 MiB, pinned or "
+        "staged, at least 80% of one pinned copy of the same bytes: not met (8 x 16 MiB, pageable: 60%; "
+        "8 x 16 MiB, pinned: 90%)."
+    )
+    assert _bench.to_device_verdict(device_rows(x_leaf=8.0, x_single=1.35)).split(". Target: ") == [
+        "Target: move() at least 10x faster than per-leaf .to() at 1,000 small tensors, end to end: not met "
+        "(1,000 x 4 KiB, pageable: 8.0x; 1,000 x 4 KiB, pinned: 12.0x)",
+        "move() of 8 x 16 MiB, pinned or staged, at least 80% of one pinned copy of the same bytes: met "
+        "(8 x 16 MiB, pageable: 90%; 8 x 16 MiB, pinned: 135%).",
+    ]
+    blocked = [
+        {"workload": f"8 x 16 MiB {kind}, 50 ms of work queued", "contender": name, "host_ms": ms}
+        for kind, name, ms in [
+            ("pageable", "todevice.move", 12.5),
+            ("pageable", "per-leaf .to(non_blocking=True)", 55.0),
+            ("pinned", "todevice.move", 30.0),  # not judged: the target is for pageable tensors
+        ]
+    ]
+    claim = "move() of 8 x 16 MiB pageable tensors blocks the host under 20 ms while 50 ms of work is queued"
+    assert (
+        _bench.blocked_verdict(blocked) == f"Target: {claim}: met (8 x 16 MiB pageable, 50 ms of work queued: 12.5 ms)."
+    )
+    blocked[0]["host_ms"] = 21.0
+    assert _bench.blocked_verdict(blocked).startswith(f"Target: {claim}: not met (")
+    prefetch = [
+        {"workload": f"20 steps, {kind}", "contender": name, "ms": 100 * x, "x_timm_style": x}
+        for kind, name, x in [
+            ("pageable", "todevice.prefetch", 1.04),
+            ("pageable", "timm-style prefetcher", 1.0),
+            ("pinned", "todevice.prefetch", 0.97),
+            ("pinned", "timm-style prefetcher", 1.0),
+        ]
+    ]
+    claim = "the 20-step loop with prefetch() within 10% of the timm-style prefetcher's time"
+    assert (
+        _bench.prefetch_verdict(prefetch)
+        == f"Target: {claim}: met (20 steps, pageable: 1.04x; 20 steps, pinned: 0.97x)."
+    )
+    prefetch[2]["x_timm_style"] = 1.15
+    assert _bench.prefetch_verdict(prefetch).startswith(f"Target: {claim}: not met (")
+
+
+def test_every_accelerator_table_that_runs_is_judged_below_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made = {
+        "device_rows": device_rows(x_leaf=12.0, x_single=0.9),
+        "blocked_rows": [{"workload": "8 x 16 MiB pageable", "contender": "todevice.move", "host_ms": 3.0}],
+        "prefetch_rows": [{"workload": "20 steps", "contender": "todevice.prefetch", "ms": 9.0, "x_timm_style": 1.0}],
+        "device_to_host_rows": [
+            {"workload": "1,000", "tensors": 1000, "contender": "todevice.move", "ms": 1.0, "x_per_leaf_cpu": 20.0}
+        ],
+        "static_rows": "no accelerator on this machine",
+    }
+    for name, rows in made.items():
+        monkeypatch.setattr(_bench, name, lambda rounds, rows=rows: rows)
+    result = _bench.gpu_main(rounds=1)
+    lines = capsys.readouterr().out.splitlines()
+    judged = [title for title, rows in result.items() if title != "verdicts" and not isinstance(rows, str)]
+    assert len(judged) == 4 and set(result["verdicts"]) == set(judged)
+    for title in judged:
+        line = result["verdicts"][title]
+        assert line.startswith("Target: ") and " met (" in line and line in lines
+        assert lines.index(f"{title}:") < lines.index(line)
+    assert "skipped: no accelerator on this machine" in lines
 
 
 def test_the_json_holds_the_versions_the_machine_the_date_and_the_arguments(tmp_path: Path) -> None:

@@ -30,8 +30,18 @@ def info() -> None:
     print(f"default device: {acc.type if acc is not None else 'cpu'}")
 
 
+DEFAULTS = {"rounds": 30, "batches": 20}  # filled in after parsing, so --batches is refused with --device only if given
+DEVICE_ROUNDS = 10  # --device runs at most this many rounds: its tables take minutes
+TESTS_TIMEOUT = 240  # seconds for tests/test_accelerator.py, after the tables
+
+
 def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapping[str, Any]) -> int:
-    """``bench --device cuda``: the accelerator's tables, then its tests, in one JSON report."""
+    """``bench --device cuda``: the accelerator's tables over ``rounds`` rounds, then its tests, in one JSON report.
+
+    Returns:
+        0; 1 where the tests failed or timed out, or the JSON could not be written; 2 for a device that is not an
+        accelerator.
+    """
     import os
     import subprocess
     import time
@@ -44,19 +54,33 @@ def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapp
     if not _stream.is_accelerator(dev):
         print(f"python -m todevice bench: --device must name an accelerator; {dev} is not one.", file=sys.stderr)
         return 2
+    print(f"The accelerator's tables on {dev}: {rounds} rounds (--device runs at most {DEVICE_ROUNDS}).\n", flush=True)
     with _stream.on_device(dev):
-        tables = _bench.gpu_main(rounds=min(rounds, 10))
+        tables = _bench.gpu_main(rounds=rounds)
     tests: dict[str, object] = {"skipped": "tests/test_accelerator.py is not here: run from a checkout"}
+    passed = True
     if os.path.exists(os.path.join("tests", "test_accelerator.py")):
         print("tests/test_accelerator.py:", flush=True)
         start = time.perf_counter()
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_accelerator.py"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        print(done.stdout[-3000:], flush=True)
-        tests = {"exit_code": done.returncode, "seconds": time.perf_counter() - start, "tail": done.stdout[-3000:]}
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=TESTS_TIMEOUT)
+        except subprocess.TimeoutExpired as err:
+            # What the tests wrote before they were stopped: bytes on POSIX, even with text=True.
+            out = err.stdout or ""
+            tail = (out.decode(errors="replace") if isinstance(out, bytes) else out)[-3000:]
+            if tail:
+                print(tail, flush=True)
+            tests = {"timed_out": True, "seconds": time.perf_counter() - start, "tail": tail}
+            print(f"tests/test_accelerator.py: stopped after {TESTS_TIMEOUT} s, not finished.", flush=True)
+            passed = False
+        else:
+            print(done.stdout[-3000:], flush=True)
+            tests = {"exit_code": done.returncode, "seconds": time.perf_counter() - start, "tail": done.stdout[-3000:]}
+            passed = done.returncode == 0
     result = {"device": str(dev), "tables": tables, "verdicts": tables["verdicts"], "tests": tests}
-    _bench.write_json(json_path, result, env)
-    return 0 if tests.get("exit_code", 0) == 0 else 1
+    written = _bench.write_json(json_path, result, env)
+    return 0 if passed and written else 1
 
 
 def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, Any]) -> int:
@@ -76,8 +100,7 @@ def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, An
         "guard": guard["rows"],
         "verdicts": verdicts,
     }
-    _bench.write_json(json_path, result, env)
-    return 0
+    return 0 if _bench.write_json(json_path, result, env) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -88,17 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_parser = sub.add_parser(
         "bench", help="time move() against the helper and the peers, the transfer engine and the DataLoader"
     )
-    for option, default in (("rounds", 30), ("batches", 20)):
+    for option, note in (("rounds", f"; at most {DEVICE_ROUNDS} with --device"), ("batches", "; not with --device")):
+        default = DEFAULTS[option]
         parse, text = _bench.OPTIONS[option]
         bench_parser.add_argument(
-            f"--{option}", type=parse, default=default, metavar="N", help=f"{text} (default {default})"
+            f"--{option}", type=parse, default=None, metavar="N", help=f"{text} (default {default}{note})"
         )
     bench_parser.add_argument("--json", type=_bench.json_path, default=None, metavar="PATH", help=_bench.JSON_HELP)
     bench_parser.add_argument(
         "--device",
         default=None,
         help="an accelerator ('cuda'): its tables only (bandwidth, host time blocked, the prefetch loop, "
-        "device to host, into static buffers), then tests/test_accelerator.py when run from a checkout",
+        f"device to host, into static buffers) over at most {DEVICE_ROUNDS} rounds, then tests/test_accelerator.py "
+        "when run from a checkout; not with --batches, which is for the DataLoader table",
     )
     given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(given)
@@ -107,6 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         info()
         return 0
+    if args.device is not None and args.batches is not None:
+        bench_parser.error(
+            "argument --batches: not with --device, whose tables have no DataLoader; drop --batches, "
+            "or drop --device for the host tables"
+        )
+    args.rounds = DEFAULTS["rounds"] if args.rounds is None else args.rounds
+    if args.device is None:
+        args.batches = DEFAULTS["batches"] if args.batches is None else args.batches
+    else:
+        args.rounds = min(args.rounds, DEVICE_ROUNDS)  # the rounds that run, and that the JSON records
     env = _bench.environment(given, {k: v for k, v in vars(args).items() if k != "command"})
     if args.device is not None:
         return accelerator_bench(args.device, args.rounds, args.json, env)
