@@ -506,6 +506,14 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
     return "\n".join([header, rule] + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
+def report(title: str, columns: list[str], cells: list[list[str]], name: str, verdict: str) -> dict[str, str]:
+    """Print a table under its title, then its verdict line; the verdict by the table's name, for the JSON."""
+    print(title)
+    print(markdown(columns, cells) + "\n")
+    print(verdict, flush=True)
+    return {name: verdict}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per (batch, target): move()'s time, and each contender's time over move()'s."""
     others = [name for name in rows[0]["median_us"] if name != "todevice.move"]
@@ -1122,12 +1130,10 @@ def transfer_main(rounds: int = 30, part: tuple[int, int] = (1, 1)) -> dict[str,
     then = f"; then the accelerator's tables on {acc.type}" if acc is not None else ""
     progress(part, f"{TRANSFER}: 2 workloads, {_count(rounds, 'round')} each{then}")
     host = host_rows(rounds=rounds) + static_host_rows(rounds=rounds)
-    print(f"{TRANSFER}: what coalescing and copies into static buffers cost the host (medians).")
     columns = ["workload", "contender", ">median (us)", ">time / per-leaf copy to meta"]
     cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
-    print(markdown(columns, cells) + "\n")
-    verdicts = {TRANSFER: transfer_verdict(host)}
-    print(verdicts[TRANSFER], flush=True)
+    title = f"{TRANSFER}: what coalescing and copies into static buffers cost the host (medians)."
+    verdicts = report(title, columns, cells, TRANSFER, transfer_verdict(host))
     device: Any = "run python -m todevice bench --device cuda for the accelerator's tables"
     if acc is not None:
         print()
@@ -1223,7 +1229,6 @@ def loader_main(batches: int = 100, part: tuple[int, int] = (1, 1)) -> dict[str,
     """The DataLoader table and its verdict: ``{"rows", "verdicts"}``."""
     progress(part, f"{LOADER}: 2 workers, 3 sample sizes, 3 loaders each, {_count(batches, 'batch')} per loader")
     rows = loader_rows(batches=batches)
-    print(f"{LOADER}, 2 workers, batches of 32: batches per second (higher is better).")
     columns = [">tensors per sample", "contender", ">batches/s", ">x default_collate", ">segments per batch"]
     cells = [
         [
@@ -1235,10 +1240,8 @@ def loader_main(batches: int = 100, part: tuple[int, int] = (1, 1)) -> dict[str,
         ]
         for r in rows
     ]
-    print(markdown(columns, cells) + "\n")
-    line = loader_verdict(rows)
-    print(line, flush=True)
-    return {"rows": rows, "verdicts": {LOADER: line}}
+    title = f"{LOADER}, 2 workers, batches of 32: batches per second (higher is better)."
+    return {"rows": rows, "verdicts": report(title, columns, cells, LOADER, loader_verdict(rows))}
 
 
 # ---------------------------------------------------------------- guard() overhead
@@ -1292,13 +1295,10 @@ def guard_main(rounds: int = 200, part: tuple[int, int] = (1, 1)) -> dict[str, A
     """The guard() table and its verdict: ``{"rows", "verdicts"}``."""
     progress(part, f"{GUARD}: 3 models, {_count(rounds, 'round')}")
     rows = guard_rows(rounds=rounds)
-    print(f"{GUARD} per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians).")
     columns = ["model", ">forward (us)", ">overhead (us)", ">per guarded module (us)"]
     cells = [
         [r["contender"], f"{r['median_us']:.1f}", f"{r['overhead_us']:+.1f}", f"{r['overhead_us_per_hook']:+.2f}"]
         for r in rows
     ]
-    print(markdown(columns, cells) + "\n")
-    line = guard_verdict(rows)
-    print(line, flush=True)
-    return {"rows": rows, "verdicts": {GUARD: line}}
+    title = f"{GUARD} per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians)."
+    return {"rows": rows, "verdicts": report(title, columns, cells, GUARD, guard_verdict(rows))}
