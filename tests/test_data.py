@@ -23,10 +23,6 @@ from todevice import _data, _pack
 
 META = torch.device("meta")
 
-# DataLoader(pin_memory=True) warns on a machine without an accelerator and then does not pin:
-# the tests run there too, and check that batches come out the same either way.
-no_accelerator_pin_warning = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
-
 
 def batches(dataset: Dataset[Any], collate_fn: Any = None, **kwargs: Any) -> list[Any]:
     return list(DataLoader(dataset, collate_fn=collate_fn, **kwargs))
@@ -46,7 +42,6 @@ def assert_same_batches(ours: list[Any], plain: list[Any]) -> None:
 # ---------------------------------------------------------------- against the plain pipeline
 
 
-@no_accelerator_pin_warning
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("pin_memory", [False, True])
 @pytest.mark.parametrize("drop_last", [False, True])

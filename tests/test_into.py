@@ -291,7 +291,6 @@ def test_a_sparse_source_is_refused_before_anything_is_written() -> None:
     assert not static["b"].any()
 
 
-@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
 def test_under_torch_compile_the_copies_run_between_two_graphs() -> None:
     static = {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int64)]}
 

@@ -1103,7 +1103,6 @@ def test_a_namedtuple_registered_with_optree_itself_keeps_the_walk() -> None:
         optree.unregister_pytree_node(Sample, namespace=everywhere)
 
 
-@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
 def test_a_nested_tensor_among_same_shaped_ones_stays_loose() -> None:
     for _ in range(3):
         todevice.pack([torch.randn(20000) for _ in range(4)])

@@ -19,7 +19,7 @@ from todevice._walk import LeafError
 T = TypeVar("T")
 
 _Tensor = torch.Tensor
-_compiled_region = _traced.in_compiled_region
+_compiling = _traced.compiling
 
 # Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
 # stays asynchronous until the one wait before move() returns); larger ones are copied into
@@ -502,13 +502,17 @@ def move(
     .. versionadded:: 0.1.0
     """
     if out is not None:
-        if _compiled_region():  # in a frame dynamo gave up on: see _traced.compiled
+        if _compiling():  # under torch.compile: see _traced.compiled
             return _traced.compiled(  # type: ignore[no-any-return]
                 obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
                 coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys, out=out,
             )  # fmt: skip
         opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
         return _into.into(obj, out, device, *opts)  # type: ignore[no-any-return]
+    if type(obj) is not _Tensor and _compiling():
+        # Under torch.compile, before anything else: where dynamo compiles this frame on its own (after
+        # a graph break in its caller), this is all it traces. See _traced.compiling.
+        return _traced.compiled(obj, device, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=skip_keys)  # type: ignore[no-any-return]
     try:
         p = _plans[type(device), device, non_blocking, dtype]
     except (KeyError, TypeError):  # not seen yet, or unhashable: _plan_for says what is wrong
@@ -520,10 +524,10 @@ def move(
     if stream is None and not strict and (not coalesce or p.gathers):
         if type(obj) is _Tensor:  # a bare tensor: nothing to walk or alias
             return p.one(obj)  # type: ignore[arg-type,return-value]
-        if p.walk is not None and not _compiled_region():
+        if p.walk is not None:
             return _host(obj, p, p.walk, coalesce, coalesce_max_bytes)  # type: ignore[no-any-return]
-    if _compiled_region():  # run as plain Python by a compiled function: see _traced.in_compiled_region
-        return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=p.skip)  # type: ignore[no-any-return]
+    elif type(obj) is _Tensor and _compiling():  # a bare tensor with stream=, strict= or coalesce=True
+        return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict)  # type: ignore[no-any-return]
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)

@@ -43,18 +43,33 @@ from todevice import _into, _layout, _options, _tree, _walk
 
 _OrderedDict, _defaultdict, _deque = collections.OrderedDict, collections.defaultdict, collections.deque
 
+# Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
+# (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
+# dataclass is rebuilt from its fields, and what needs the list breaks the graph with a message.
+LISTS_ATTRIBUTES = torch.__version__ >= "2.12"
+
 # Truthy while a torch.compile'd function runs: the callback dynamo hands each new frame to (None
 # outside, False where compiled code is only replayed). A frame dynamo gives up on runs as plain
 # Python with it still set, and each call that frame makes is compiled on its own: the eager move's
 # host-side steps fail that way (a pinned result, a fallback in an ``except`` that dynamo does not
-# take), so a move made there takes this walk too. One C call, about 15 ns, which the eager move
-# makes only off its bare-tensor path. Dynamo does not know it: it warns once and breaks the graph.
-in_compiled_region: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None)
+# take), so a move made there takes this walk too.
+_eval_frame_callback: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None)
 
 
-def compiling() -> bool:
-    """Whether this runs under torch.compile: traced by dynamo, or run as plain Python by a compiled function."""
-    return torch.compiler.is_dynamo_compiling() or bool(in_compiled_region())
+def compiling() -> Any:
+    """Truthy under torch.compile: traced by dynamo, or run as plain Python by a compiled function.
+
+    One C call. Dynamo cannot trace that call (it warns and breaks the graph), so where it traces a
+    call to this function it traces ``_traced_compiling`` instead, which says True.
+    """
+    return _eval_frame_callback()
+
+
+def _traced_compiling() -> bool:
+    return True
+
+
+compiling._torchdynamo_inline = _traced_compiling  # type: ignore[attr-defined]
 
 
 def compiled(
@@ -138,19 +153,25 @@ class _How:
 
 
 def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
-    cast = h.dtype if h.dtype is not None and (t.is_floating_point() or t.is_complex()) else None
-    if t.device == h.dev and (cast is None or cast == t.dtype) and not h.fresh:
-        return t
+    """``t`` moved, once however often it is met."""
     out = h.memo.get(id(t))
     if out is None:
-        if h.fresh:  # a copy, never the packed tensor itself; one that required grad, a new leaf
-            out = t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True)
-            if t.requires_grad:
-                out.requires_grad_()
-        else:
-            out = t.to(h.dev, cast, non_blocking=h.nb)
-        h.memo[id(t)] = out
+        out = h.memo[id(t)] = _one(t, h)
     return out
+
+
+def _one(t: torch.Tensor, h: _How) -> torch.Tensor:
+    """``t`` moved. With no memo, for the views read from a packed buffer, each made once: dynamo before
+    2.12 cannot take the ``id()`` of a tensor made in the graph."""
+    cast = h.dtype if h.dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+    if h.fresh:  # a copy, never the packed tensor itself; one that required grad, a new leaf
+        out = t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True)
+        if t.requires_grad:
+            out.requires_grad_()
+        return out
+    if t.device == h.dev and (cast is None or cast == t.dtype):
+        return t
+    return t.to(h.dev, cast, non_blocking=h.nb)
 
 
 def _items(x: Any, h: _How) -> list[tuple[Any, Any]]:
@@ -212,9 +233,18 @@ def _moved(x: Any, h: _How) -> Any:
     if rule == _DATACLASS:
         # Every instance attribute moved, fields or not, on a copy made without __init__, as the
         # eager rule makes it; object.__setattr__ also writes the fields of a frozen dataclass.
+        if not LISTS_ATTRIBUTES:  # a dataclass with __post_init__, which may set more than its fields
+            torch._dynamo.graph_break(msg=_too_old(tp, "lists the attributes of"))
         out = object.__new__(tp)
         for name, value in vars(x).items():
             object.__setattr__(out, name, _moved(value, h))
+        return out
+    if rule == _FIELDS:  # the same, where dynamo reads __dict__ only by key (before 2.12)
+        out = object.__new__(tp)
+        attrs = x.__dict__
+        for name in _field_names(tp):
+            if name in attrs:  # a field with init=False and no default may never have been set
+                object.__setattr__(out, name, _moved(attrs[name], h))
         return out
     if rule == _NODE:  # kind_of takes a lock: dynamo breaks the graph, and the rest runs as plain Python
         return _node(x, _tree.kind_of(tp), h)
@@ -223,7 +253,7 @@ def _moved(x: Any, h: _How) -> Any:
 
 
 # How _moved takes an object of a type it does not test for itself: what ``_rule`` says.
-_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _NAMEDTUPLE, _STRUCTSEQ, _DATACLASS, _NODE = range(9)
+_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _NAMEDTUPLE, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE = range(10)
 
 
 def _rule(tp: type) -> int:
@@ -250,12 +280,33 @@ def _rule(tp: type) -> int:
         if issubclass(tp, tuple) and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0):
             return _STRUCTSEQ  # a structseq with no field beyond its items (torch.return_types)
         if dataclasses.is_dataclass(tp) and _plain_object(tp):
-            return _DATACLASS
+            # Before 2.12 dynamo cannot list an instance's attributes. Those of a dataclass are its
+            # fields, unless its __post_init__ sets more (or code outside it does, which cannot be seen).
+            return _DATACLASS if LISTS_ATTRIBUTES or hasattr(tp, "__post_init__") else _FIELDS
         return _NODE
     return _UNKNOWN
 
 
 _rule._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _field_names(tp: type) -> tuple[str, ...]:
+    """A dataclass's field names: a constant in the graph, as ``_rule``'s result is."""
+    return tuple(f.name for f in dataclasses.fields(tp))
+
+
+_field_names._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _too_old(tp: type, what: str) -> str:
+    """Why dynamo breaks the graph at an object of type ``tp``, before torch 2.12, and what traces it."""
+    return (
+        f"todevice.move() {what} each {tp.__qualname__} it moves, which dynamo before torch 2.12 cannot "
+        f"trace: the graph breaks here (torch.compile(fullgraph=True) raises). torch 2.12 or later traces it."
+    )
+
+
+_too_old._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _plain_object(tp: type) -> bool:
@@ -287,6 +338,8 @@ def _to_object(x: Any, h: _How, non_blocking: bool) -> Any:
         return out
     target: Any = x
     if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
+        if not LISTS_ATTRIBUTES:
+            torch._dynamo.graph_break(msg=_too_old(type(x), "makes a shallow copy of"))
         try:
             target = copy.copy(x)
         except Exception:  # not copyable: its own .to() is all there is, as in the eager move
@@ -331,7 +384,7 @@ def _unpacked(batch: Any, h: _How) -> Any:
         h.fresh = fresh
         return out
     read = _read(batch.buffer, lay)
-    views = [_tensor(v, h) for v in read]
+    views = [_one(v, h) for v in read]
     for k in batch.requires_grad:
         views[k] = views[k].detach().requires_grad_()
     held = None
@@ -376,10 +429,11 @@ def _slot(x: Any, h: _How) -> Any:
     if views is None or aliases is None:
         msg = f"Cannot move {x!r}: a slot only means something inside a PackedBatch's skeleton."
         raise TypeError(msg)
+    at = x.real  # the plain int: dynamo before 2.12 does not take an int subclass as an index
     if type(x) is _tree.Slot:
-        return views[x]
+        return views[at]
     hit = aliases.get(id(x))  # one AliasSlot met twice is one view
     if hit is None:
-        view = views[x]
+        view = views[at]
         hit = aliases[id(x)] = view.view(view.shape)
     return hit
