@@ -170,7 +170,9 @@ def test_large_pageable_tensors_do_not_block_the_host(busy: Any) -> None:
     out = todevice.move(batch, dev)
     host_ms = (time.perf_counter() - start) * 1000
     torch.cuda.synchronize()
-    assert host_ms < 100, f"move() held the host {host_ms:.0f} ms while 200 ms of work was queued"
+    queued_ms = (time.perf_counter() - start) * 1000  # the queued work and the copies, as the host saw them
+    # A move that waited for the queue would hold the host for nearly all of it: the limit is half.
+    assert host_ms < queued_ms / 2, f"move() held the host {host_ms:.0f} ms of the {queued_ms:.0f} ms queued"
     assert torch.equal(out["x3"].cpu(), batch["x3"])
 
 

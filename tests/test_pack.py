@@ -503,27 +503,6 @@ def test_pinned_memory_is_allocated_under_the_target_device(monkeypatch: pytest.
     assert entered == [1]
 
 
-def test_without_torch_accelerator_device_index_the_device_is_made_current_and_restored(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """torch 2.6 and 2.7 have no torch.accelerator.device_index, and 2.6 names the setter set_device_idx."""
-    current = [0]
-    made_current: list[int] = []
-
-    def set_device_idx(index: int) -> None:
-        made_current.append(index)
-        current[0] = index
-
-    monkeypatch.delattr(_stream.torch.accelerator, "device_index")
-    monkeypatch.delattr(_stream.torch.accelerator, "set_device_index")
-    monkeypatch.setattr(_stream.torch.accelerator, "set_device_idx", set_device_idx, raising=False)
-    monkeypatch.setattr(_stream, "is_accelerator", lambda device: True)
-    monkeypatch.setattr(_stream, "current_index", lambda: current[0])
-    with _stream.on_device(torch.device("cuda", 1)):
-        assert current == [1]
-    assert made_current == [1, 0] and current == [0]
-
-
 # ---------------------------------------------------------------- streams, with stand-ins
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import types
 import warnings
-from collections.abc import Iterator
 from typing import Any, NamedTuple, Union
 
 import torch
@@ -86,27 +85,13 @@ def _check(device: object) -> torch.device:
 
 
 def current_index() -> int:
-    """The current accelerator device's index (``current_device_idx`` before torch 2.7)."""
-    get = getattr(torch.accelerator, "current_device_index", None) or torch.accelerator.current_device_idx
-    index: int = get()
-    return index
+    """The current accelerator device's index."""
+    return torch.accelerator.current_device_index()
 
 
 def set_index(index: int) -> None:
-    """Make device ``index`` of the accelerator current (``set_device_idx`` before torch 2.7)."""
-    set_current = getattr(torch.accelerator, "set_device_index", None) or torch.accelerator.set_device_idx
-    set_current(index)
-
-
-@contextlib.contextmanager
-def _index_current(index: int) -> Iterator[None]:
-    """``torch.accelerator.device_index(index)``, which torch 2.6 and 2.7 lack."""
-    before = current_index()
-    set_index(index)
-    try:
-        yield
-    finally:
-        set_index(before)
+    """Make device ``index`` of the accelerator current."""
+    torch.accelerator.set_device_index(index)
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
@@ -163,8 +148,7 @@ def on_device(device: torch.device) -> Any:
     """
     if device.index is None or not is_accelerator(device) or device.index == current_index():
         return contextlib.nullcontext()
-    index_current = getattr(torch.accelerator, "device_index", None) or _index_current
-    return index_current(device.index)
+    return torch.accelerator.device_index(device.index)
 
 
 def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

@@ -27,6 +27,9 @@ Where the result differs from the eager move, and why:
 - Atoms come back equal, not always the very same objects: dynamo may hand back the constant it
   traced with.
 - Dynamo (2.13) takes a deque in without its ``maxlen``: the copy has none.
+- Dynamo before 2.12 cannot list an object's attributes (see ``LISTS_ATTRIBUTES``): a dataclass
+  without ``__post_init__`` is rebuilt from its fields alone, and what needs the list (a dataclass
+  with ``__post_init__``, the shallow copy of a ``.to()`` object) breaks the graph with a message.
 """
 
 from __future__ import annotations
