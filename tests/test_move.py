@@ -22,7 +22,7 @@ def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coa
     """move()'s walk, and the state it left (its memo, its outputs)."""
     p = _move.plan(device, True, dtype)
     state = _move.State(p)
-    out = _move._coalesced(tree, state, _move.COALESCE_MAX_BYTES) if coalesce else _move._run(tree, state, tree)
+    out = _move._batch(tree, state, coalesce, _move.COALESCE_MAX_BYTES)
     return out, state
 
 

@@ -41,7 +41,7 @@ def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coa
     """move()'s walk, and the state it left (its outputs)."""
     p = _move.plan(device, True, dtype)
     state = _move.State(p)
-    out = _move._coalesced(tree, state, _move.COALESCE_MAX_BYTES) if coalesce else _move._run(tree, state, tree)
+    out = _move._batch(tree, state, coalesce, _move.COALESCE_MAX_BYTES)
     return out, state
 
 
@@ -906,7 +906,7 @@ def test_taking_from_devices_takes_what_is_off_the_host_and_needs_no_grad() -> N
     taken = _layout.take(tree, 1024, None, devices=True)
     assert [id(t) for t in taken.tensors] == [id(t) for t in small]
     assert taken.skeleton["host"] is tree["host"] and taken.skeleton["big"] is tree["big"]
-    assert taken.skeleton["grad"] is tree["grad"] and taken.loose == 2  # host tensors are not even looked at
+    assert taken.skeleton["grad"] is tree["grad"] and len(taken.loose) == 2  # host tensors are not even looked at
     assert [id(t) for t in _layout.take(tree, 1024, None).tensors] == [id(tree["host"])]
 
 

@@ -306,12 +306,17 @@ def _copy(
 
 
 def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
-    """One copy: a large pageable host tensor through pinned chunks, anything else as ``copy_`` does it."""
+    """One copy: a large pageable host tensor through pinned memory, anything else as ``copy_`` does it."""
     if dst.is_cpu or dst.is_meta:
         dst.copy_(src)  # into host memory: landed when move() returns
-    elif non_blocking and src.is_cpu and dst.is_contiguous() and _layout.stageable(src):
-        _layout.fill(dst, src)
-    else:
+    elif not (
+        non_blocking
+        and src.is_cpu
+        and _layout.nbytes(src) > _layout.PAGEABLE_DIRECT_MAX_BYTES_ONE
+        and dst.is_contiguous()
+        and _layout.stageable(src)
+        and _layout.send_staged([(src, dst)])
+    ):
         dst.copy_(src, non_blocking=non_blocking)
 
 

@@ -15,7 +15,6 @@ their vectorised loads, and the buffer holds the data plus that padding and noth
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import operator
@@ -24,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from todevice import _stream, _tree, _walk
+from todevice import _options, _stream, _tree, _walk
 
 ALIGN = 16  # bytes: a CUDA vectorised load is 16 bytes (float4)
 
@@ -240,39 +239,60 @@ def read(
     return pick(views, lay.order)
 
 
-# ---------------------------------------------------------------- one large tensor through pinned memory
+# ---------------------------------------------------------------- what a batch sends, and how
 
-# A pageable host tensor that is not coalesced crosses through page-locked memory in chunks of this
-# size: the copy of one chunk runs while the next is being filled, and the pinned blocks, which the
-# caching host allocator hands out again once their copy has finished, stay few and small.
-STAGE_CHUNK_BYTES = 4 * 1024 * 1024
+# Every threshold below rests on figures measured on one H100 with torch 2.11 (bench/README.md, "Host to
+# device: the measured facts the plan rests on").
+#
+# A copy from pageable host memory with non_blocking=True: the driver copies the source into staging
+# memory of its own and returns at once while little is pending, and only past that waits for every
+# kernel queued on the stream. With 20 ms of work queued the host did not wait for one tensor of up to
+# 2 MiB, for 8 of 32 KiB (256 KiB in all), or (with 5 ms queued) for 3 of 128 KiB (384 KiB); it waited
+# the whole 20 ms for one of 4 MiB and for 8 of 128 KiB (1 MiB). Below these, staging through pinned
+# memory buys nothing and costs a pinned allocation and a host memcpy.
+PAGEABLE_DIRECT_MAX_BYTES = 384 * 1024  # several tensors, all in all
+PAGEABLE_DIRECT_MAX_BYTES_ONE = 2 * 1024 * 1024  # a tensor alone
 
-# At most this many staged bytes of one tensor are in flight. While the stream is busy no chunk's copy
-# finishes, so each chunk takes a new pinned block, and the allocator keeps every block it made: a
-# larger tensor waits for its oldest chunk's copy instead, so it never pins more than this.
-STAGE_MAX_IN_FLIGHT_BYTES = 256 * 1024 * 1024
+# Small tensors are coalesced (one pinned write, one copy, views) from this many. Measured: a copy
+# launch costs the host 14.4 us, a pinned allocation 2.3 us, a view 2.4 us; moving 10 small tensors
+# coalesced took 1.18x the host time of 10 per-tensor .to() calls, 100 took 0.37x, 1,000 0.31x.
+# Coalesced moves cost about 54 us plus 2.25 us a tensor (the 100 and 1,000 figures), per-tensor
+# copies about 8.7 us a tensor: even at 10 the fixed cost is not yet paid back, at 16 it is.
+COALESCE_MIN_TENSORS = 16
 
 
-def staged(t: torch.Tensor, dev: torch.device, cast: torch.dtype | None) -> torch.Tensor | None:
-    """``t.to(dev, cast, non_blocking=True)`` for a pageable host tensor: through pinned memory, in chunks.
+class Sending(NamedTuple):
+    """How one move sends its host tensors to an accelerator: a pure function of what it holds (``sending``)."""
 
-    A copy from pageable memory first waits for all work queued on the stream and blocks the host
-    while it does: CUDA stages it through a driver buffer. Here each chunk is copied into a block from
-    the caching host allocator, and that block is sent asynchronously, so the host returns after its
-    own memcpy, and the first chunk's copy runs while the next is filled. The result keeps a dense
-    source's strides, as ``.to()`` does. None for a source this does not apply to: already pinned (it
-    is sent as it is, never read on the host), a subclass, sparse, or one autograd must follow.
+    together: bool  # the small tensors go in one pinned buffer, with one copy, and come back as views of it
+    staged: bool  # the host tensors copied alone go through one pinned buffer, each with a copy of its own
+
+
+def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce: bool | None) -> Sending:
+    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others.
+
+    ``coalesce``, the caller's option: None lets the count decide, True coalesces any number, False none.
+    Whatever is not coalesced is copied alone, straight from where it is while the driver copies that
+    much without waiting (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer.
+    Pinned tensors count here as pageable: telling them apart costs a call each, and they are sent as
+    they are anyway.
     """
-    if not stageable(t):
-        return None
-    out = torch.empty_like(t, dtype=cast or t.dtype, device=dev)  # a dense source's strides, as .to() keeps them
-    fill(out, t)
-    return out
+    together = small > 0 and (small >= COALESCE_MIN_TENSORS if coalesce is None else coalesce)
+    if not together:
+        alone, alone_bytes = alone + small, alone_bytes + small_bytes
+    limit = PAGEABLE_DIRECT_MAX_BYTES_ONE if alone == 1 else PAGEABLE_DIRECT_MAX_BYTES
+    return Sending(together, alone_bytes > limit)
+
+
+def staging(nbytes: int, dev: torch.device) -> torch.Tensor:
+    """A host buffer of ``nbytes`` to write tensors into for ``dev``: page-locked where ``dev`` is an accelerator."""
+    buffer = _stream.pinned(nbytes, torch.uint8, dev) if _stream.is_accelerator(dev) else None
+    return torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer  # the host, meta, or none left
 
 
 def stageable(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a pageable host tensor that :func:`fill` sends: not pinned (that one is sent as it
-    is, never read on the host), not a subclass, not sparse, and not one autograd must follow."""
+    """Whether ``t`` is a pageable host tensor that :func:`send_staged` sends: not pinned (that one is sent
+    as it is, never read on the host), not a subclass, not sparse, and not one autograd must follow."""
     return not (
         type(t) is not _Tensor
         or t.layout is not torch.strided
@@ -283,41 +303,53 @@ def stageable(t: torch.Tensor) -> bool:
     )
 
 
-def fill(out: torch.Tensor, t: torch.Tensor) -> None:
-    """Copy ``t``, a :func:`stageable` host tensor, into ``out``, dense on an accelerator, through pinned chunks."""
-    dev, final = out.device, out.dtype
-    n = t.numel()
-    if n == 0:
-        return
-    src = t
-    if out.stride() != t.stride():  # overlapping or with gaps: laid out as the result first, as .to() does
-        src = torch.empty_like(out, dtype=t.dtype, device="cpu")
-        src.copy_(t)
-    # Both now hold their n elements in one span, in the same order: copied as flat chunks.
-    flat_src = src.as_strided((n,), (1,), src.storage_offset())
-    flat_out = out.as_strided((n,), (1,), out.storage_offset())
-    sent = final if final.itemsize < t.dtype.itemsize else t.dtype  # cast on the side with fewer bytes
-    step = max(1, STAGE_CHUNK_BYTES // sent.itemsize)
-    capped = n * sent.itemsize > STAGE_MAX_IN_FLIGHT_BYTES
-    in_flight: collections.deque[tuple[torch.Event, int]] = collections.deque()
-    queued = 0
-    for i in range(0, n, step):
-        piece = flat_src[i : i + step]
-        buffer = _stream.pinned(piece.numel(), sent, dev)
-        if buffer is None:  # no pinned memory here, or none left: the rest as the backend copies it
-            flat_out[i:].copy_(flat_src[i:], non_blocking=True)
-            break
-        buffer.copy_(piece)
-        flat_out[i : i + step].copy_(buffer, non_blocking=True)  # records the block's use for its allocator
-        if capped:
-            copied = torch.Event(device=dev)
-            copied.record()
-            in_flight.append((copied, buffer.nbytes))
-            queued += buffer.nbytes
-            while queued > STAGE_MAX_IN_FLIGHT_BYTES:
-                oldest, nbytes = in_flight.popleft()
-                oldest.synchronize()
-                queued -= nbytes
+def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Copy each :func:`stageable` host source into its target, dense on one accelerator, through one pinned buffer.
+
+    One allocation from the caching host allocator for all of them (which hands the block out again once
+    the copies from it have finished), one host memcpy and one asynchronous copy each, and no wait: the
+    host returns once the copies are queued. A cast is made on the side with fewer bytes. False, with
+    nothing copied, where no pinned memory could be had.
+    """
+    plan: list[tuple[int, torch.dtype]] = []
+    total = 0
+    for src, out in pairs:
+        sent = out.dtype if out.dtype.itemsize < src.dtype.itemsize else src.dtype
+        plan.append((total, sent))
+        total += _aligned(src.numel() * sent.itemsize)
+    if total == 0:
+        return True  # empty tensors: nothing to send
+    buffer = _stream.pinned(total, torch.uint8, pairs[0][1].device)
+    if buffer is None:
+        return False
+    for (src, out), (at, sent) in zip(pairs, plan):
+        n = src.numel()
+        if n == 0:
+            continue
+        flat = buffer[at : at + n * sent.itemsize].view(sent)
+        flat.as_strided(out.shape, out.stride()).copy_(src)  # laid out as the target is: one span of n
+        out.as_strided((n,), (1,), out.storage_offset()).copy_(flat, non_blocking=True)
+    return True
+
+
+def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+    """The :func:`stageable` ones of ``tensors`` copied to ``dev`` (cast to ``dtype`` where move() casts) through
+    one pinned buffer, by id of their source; their targets keep a dense source's strides, as ``.to()`` does.
+
+    Empty where that fails (no pinned memory, no room on the device): each tensor is then copied by
+    itself, and an error names its path.
+    """
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    try:
+        for t in tensors:
+            if id(t) not in pairs and stageable(t):
+                cast = dtype if dtype is not None and _options.casts(t) else None
+                pairs[id(t)] = (t, torch.empty_like(t, dtype=cast or t.dtype, device=dev))
+        if pairs and send_staged(list(pairs.values())):
+            return {key: out for key, (_, out) in pairs.items()}
+    except Exception:
+        pass
+    return {}
 
 
 # ---------------------------------------------------------------- taking the tensors out
@@ -496,7 +528,7 @@ class Taken(NamedTuple):
     skeleton: Any  # the structure, a slot where each taken tensor was
     tensors: list[torch.Tensor]  # the taken tensors, in walk order
     layout: Layout
-    loose: int  # tensors and objects with .to() left in the skeleton
+    loose: list[Any]  # tensors and objects with .to() left in the skeleton
 
 
 def take(
@@ -525,11 +557,11 @@ def take(
         # a quantized one, a dtype a byte buffer does not hold.
         if len(set(map(_data_ptr, tensors))) == len(tensors):
             lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
-            return Taken(skeleton, tensors, lay, len(taking.loose))
+            return Taken(skeleton, tensors, lay, taking.loose)
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad, devices)
     skeleton = careful.walk(obj, taking)
     tensors = taking.tensors
     lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
-    return Taken(skeleton, tensors, lay, len(taking.loose))
+    return Taken(skeleton, tensors, lay, taking.loose)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import operator
 from collections.abc import Callable, Collection
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.nn.utils.rnn import PackedSequence
 
 from todevice import _into, _layout, _options, _stream, _traced, _tree, _walk
 from todevice._options import COALESCE_MAX_BYTES
@@ -27,11 +25,6 @@ _compiling = _traced.compiling
 # power of two, so a 640 MiB result would otherwise lock 1 GiB of host memory for good.
 PINNED_RESULT_MAX_BYTES = COALESCE_MAX_BYTES
 
-# Types whose .to() is known to return a new object and leave the original alone; any other
-# .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
-# PyG Data) move their contents in place and return self, which would mutate the input.
-_PURE_TO: frozenset[type] = frozenset({PackedSequence})
-
 
 class Plan(NamedTuple):
     """What a move to one device with one set of options does: a pure function of the three, made once."""
@@ -39,12 +32,14 @@ class Plan(NamedTuple):
     dev: torch.device
     non_blocking: bool
     dtype: torch.dtype | None
-    to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor
+    to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor, straight from where it is
+    alone: Callable[[torch.Tensor], torch.Tensor]  # the copy of a tensor sent by itself, staged where it pays
     one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
     walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
     careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
-    coalesce: bool  # coalesce by default: from the host to an accelerator, and from accelerators to the CPU
-    gathers: bool  # to the CPU: coalescing gathers accelerator tensors on their devices first
+    sends: bool  # to an accelerator: what the batch holds decides what is coalesced and staged (_layout.sending)
+    gathers: bool  # to the CPU: coalesced by default, gathering accelerator tensors on their devices first
+    stage: bool  # pageable tensors may cross through pinned memory: non_blocking, to an accelerator but MPS
     to_host: bool  # asynchronous copies land in host memory: wait for them before returning
     skip: frozenset[Any]  # the keys whose items stay as they are
 
@@ -93,10 +88,6 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
         if plain:
             return t.to(dev)  # parses fastest
         cast = dtype if dtype is not None and _options.casts(t) else None
-        if stage and t.is_cpu:
-            out = _layout.staged(t, dev, cast)
-            if out is not None:
-                return out
         nb = non_blocking
         if to_host:
             nb = _layout.nbytes(t) <= PINNED_RESULT_MAX_BYTES
@@ -104,11 +95,19 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
             nb = nb and t.is_pinned()
         return t.to(dev, cast, non_blocking=nb)
 
+    def alone(t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied by itself: through pinned memory where the driver would wait for queued work."""
+        if stage and t.is_cpu and _layout.nbytes(t) > _layout.PAGEABLE_DIRECT_MAX_BYTES_ONE:
+            out = _layout.stage([t], dev, dtype).get(id(t))
+            if out is not None:
+                return out
+        return to(t)
+
     def one(t: torch.Tensor) -> torch.Tensor:
         if keep(t):
             return t
         try:
-            out = t.to(dev) if plain else to(t)
+            out = t.to(dev) if plain else alone(t)
         except Exception as err:
             _walk.explain(LeafError(t, err), t, dev)
         if to_host and not t.is_cpu and not t.is_meta:
@@ -158,7 +157,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     # the only one.
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
-    return Plan(dev, non_blocking, dtype, to, one, walk, careful, not host or gathers, gathers, to_host, skip)
+    return Plan(dev, non_blocking, dtype, to, alone, one, walk, careful, not host, gathers, stage, to_host, skip)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -276,7 +275,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         if not gather:
             return _carefully(obj, p, rec)
         s = State(p, _made(rec))
-        out = _coalesced(obj, s, max_bytes)
+        out = _batch(obj, s, True, max_bytes)
         s.finish()
         return out
     except (_Careful, RecursionError):  # an object the careful walk moves, or deep nesting
@@ -384,35 +383,13 @@ def _to_object(obj: Any, s: State) -> Any:
     hit = s.memo.get(id(obj))
     if hit is not None:
         return hit[1]
-    tp = type(obj)
     p = s.plan
-    non_blocking = p.non_blocking and p.dev.type != "mps"
-    try:
-        target = obj if tp in _PURE_TO else copy.copy(obj)
-    except RecursionError:
-        raise  # deep nesting: the walk falls back to one with a stack
-    except Exception:
-        target = obj  # not copyable: its own .to() is all there is
     held = _walk.devices_held(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
     if streams is not None:
         _stream.set_stream(streams[0])
     try:
-        if _tree.accepts_non_blocking(tp):  # type: ignore[arg-type]  # types hash
-            try:
-                out = target.to(p.dev, non_blocking=non_blocking)
-            except TypeError as err:
-                if "non_blocking" not in str(err):
-                    raise
-                out = target.to(p.dev)
-        else:
-            out = target.to(p.dev)
-        if out is None:  # a .to() that moves the object in place and returns nothing: the copy it moved
-            out = target
-    except RecursionError:
-        raise
-    except Exception as err:
-        raise LeafError(obj, err) from err
+        out = _walk.to_object(obj, p.dev, p.non_blocking and p.dev.type != "mps")
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])
@@ -519,20 +496,18 @@ def move(
         p = _plan_for(device, non_blocking, dtype)
     if skip_keys is not None or coalesce_max_bytes is not COALESCE_MAX_BYTES:
         p = _with_options(p, skip_keys, coalesce_max_bytes)
-    if coalesce is None:
-        coalesce = p.coalesce
-    if stream is None and not strict and (not coalesce or p.gathers):
-        if type(obj) is _Tensor:  # a bare tensor: nothing to walk or alias
+    if stream is None and not strict:
+        if type(obj) is _Tensor:  # a bare tensor: nothing to walk, alias or coalesce
             return p.one(obj)  # type: ignore[arg-type,return-value]
-        if p.walk is not None:
-            return _host(obj, p, p.walk, coalesce, coalesce_max_bytes)  # type: ignore[no-any-return]
-    elif type(obj) is _Tensor and _compiling():  # a bare tensor with stream=, strict= or coalesce=True
+        if p.walk is not None and (p.gathers or not coalesce):  # to the host
+            return _host(obj, p, p.walk, coalesce is not False, coalesce_max_bytes)  # type: ignore[no-any-return]
+    elif type(obj) is _Tensor and _compiling():  # a bare tensor with stream= or strict=
         return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict)  # type: ignore[no-any-return]
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
     if stream is None:
-        out = _coalesced(obj, s, coalesce_max_bytes) if coalesce else _run(obj, s, obj)
+        out = _batch(obj, s, coalesce, coalesce_max_bytes)
     else:
         out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
         _stream.hand_over(stream, user, s.outputs())
@@ -545,24 +520,59 @@ def move(
 move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
 
 
-def _coalesced(obj: Any, s: State, max_bytes: int) -> Any:
-    """Pack the small tensors, send them in one copy, then move the rest around their views.
+def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
+    """A structure moved: gathered back to the CPU, sent as ``_sent`` decides, or walked tensor by tensor."""
+    p = s.plan
+    if p.gathers and coalesce is not False:
+        taken = _taken(obj, s, max_bytes)
+        if taken is None or len(taken.tensors) < 2:  # a single tensor goes alone
+            return _run(obj, s, obj)
+        return _filled(taken, s, obj, lambda: _gathered(s, taken))
+    if p.sends or coalesce:
+        return _sent(obj, s, coalesce, max_bytes)
+    return _run(obj, s, obj)
 
-    To an accelerator, the small host tensors are packed on the host. To the CPU, the small tensors
-    of each accelerator are packed there, in one new buffer, and that comes back in one copy.
-    """
+
+def _taken(obj: Any, s: State, max_bytes: int) -> _layout.Taken | None:
+    """The small tensors taken out of ``obj`` (off the host, to the CPU); None for a deep or cyclic ``obj``."""
     p = s.plan
     try:
-        taken = _layout.take(obj, max_bytes, p.dtype, skip=p.skip, devices=p.gathers)
-        if len(taken.tensors) < 1 + p.gathers:  # nothing to pack; to the CPU, a single tensor goes alone
-            return _run(obj, s, obj)
-        views = _gathered(s, taken) if p.gathers else _send(s, _staged(taken, p), taken.layout)
+        return _layout.take(obj, max_bytes, p.dtype, skip=p.skip, devices=p.gathers)
     except RecursionError:
-        return _run(obj, s, obj)  # deep or cyclic: the walk handles or reports it
+        return None  # the walk handles or reports it
     except LeafError as failure:
         _walk.explain(failure, obj, p.dev, skip=p.skip)
-    s.views, s.aliases = views, {}
+
+
+def _filled(taken: _layout.Taken, s: State, obj: Any, views: Callable[[], list[torch.Tensor]]) -> Any:
+    """The skeleton walked, its slots filled with ``views()`` and every other tensor moved; errors name paths."""
+    try:
+        s.views, s.aliases = views(), {}
+    except LeafError as failure:  # from a tensor copied alone
+        _walk.explain(failure, obj, s.plan.dev, skip=s.plan.skip)
     return _run(taken.skeleton, s, obj)
+
+
+def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
+    """Host tensors sent as ``_layout.sending`` decides from what the batch holds: the small ones together
+    through one (pinned) buffer, or each alone; those alone straight from where they are, or all through
+    one pinned buffer where the driver would wait for queued work (the skeleton's walk takes those copies)."""
+    p = s.plan
+    taken = _taken(obj, s, max_bytes)
+    if taken is None:
+        return _run(obj, s, obj)
+    small = taken.tensors
+    alone = [t for t in taken.loose if isinstance(t, _Tensor) and t.is_cpu]
+    how = _layout.sending(len(small), taken.layout.nbytes, len(alone), sum(map(_layout.nbytes, alone)), coalesce)
+    if how.staged and p.stage:
+        s.made.update(_layout.stage(alone if how.together else [*small, *alone], p.dev, p.dtype))
+    if not small:
+        return _run(obj, s, obj)
+    if not how.together:
+        return _filled(taken, s, obj, lambda: [_copy(t, s) for t in small])
+    staging = _layout.staging(taken.layout.nbytes, p.dev)
+    _layout.write(staging, taken.layout, taken.tensors)
+    return _filled(taken, s, obj, lambda: _send(s, staging, taken.layout))
 
 
 def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
@@ -593,16 +603,6 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
     return views
 
 
-def _staged(taken: _layout.Taken, p: Plan) -> torch.Tensor:
-    """The taken tensors written into one host buffer: page-locked where the target is an accelerator."""
-    nbytes = taken.layout.nbytes
-    staging = _stream.pinned(nbytes, torch.uint8, p.dev) if _stream.is_accelerator(p.dev) else None
-    if staging is None:  # the host, meta, or no pinned memory
-        staging = torch.empty(nbytes, dtype=torch.uint8)
-    _layout.write(staging, taken.layout, taken.tensors)
-    return staging
-
-
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
     """Copy a host buffer to the target once, and cut the copy into views (cast where the layout says)."""
     p = s.plan
@@ -616,8 +616,8 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
                 # A cast is made on the host as soon as the buffer is read: the copy must have landed.
                 cast_on_host = p.dtype is not None
         try:
-            # The plan's copy of a uint8 tensor: staged, pinned or pageable by the same rules as any other.
-            buffer = buffer.to(p.dev) if cast_on_host else p.to(buffer)
+            # A uint8 tensor copied alone: staged, pinned or pageable by the same rules as any other.
+            buffer = buffer.to(p.dev) if cast_on_host else p.alone(buffer)
         except Exception as err:
             msg = f"Cannot move {len(lay.order)} packed tensors ({lay.nbytes} bytes) to {p.dev}: {err}"
             _walk.raise_with_message(err, msg)
@@ -681,17 +681,19 @@ def move_on_stream(
     used, so the copies of later batches overlap the work on earlier ones.
     """
     s = State(plan(dev, non_blocking, None, skip))
-    out, _ = _on_stream(batch, s, side, s.plan.coalesce, COALESCE_MAX_BYTES)
+    out, _ = _on_stream(batch, s, side, None, COALESCE_MAX_BYTES)
     copied = _stream.record_event(side, dev)
     s.finish()
     return out, s.outputs(), copied
 
 
-def _on_stream(obj: Any, s: State, stream: torch.Stream, coalesce: bool, max_bytes: int) -> tuple[Any, torch.Stream]:
+def _on_stream(
+    obj: Any, s: State, stream: torch.Stream, coalesce: bool | None, max_bytes: int
+) -> tuple[Any, torch.Stream]:
     """``obj`` moved with its copies issued on ``stream``; the result, and the user's stream (current again)."""
     entered = _stream.enter_stream(stream, s.plan.dev)
     s.streams = (entered.user, stream)
     try:
-        return (_coalesced(obj, s, max_bytes) if coalesce else _run(obj, s, obj)), entered.user
+        return _batch(obj, s, coalesce, max_bytes), entered.user
     finally:
         _stream.leave_stream(entered)

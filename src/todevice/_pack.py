@@ -77,7 +77,7 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.
     else:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
     _layout.write(buffer, taken.layout, tensors)
-    return PackedBatch(buffer, taken.layout, taken.skeleton, requires_grad, taken.loose)
+    return PackedBatch(buffer, taken.layout, taken.skeleton, requires_grad, len(taken.loose))
 
 
 class PackedBatch:

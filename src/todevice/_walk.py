@@ -10,6 +10,7 @@ by the same rules, for error messages, ``strict=True`` and the diagnostics.
 from __future__ import annotations
 
 import collections.abc
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
@@ -339,6 +340,38 @@ def inside(obj: Any) -> Iterator[tuple[str, Any]]:
         yield from ((f"[{key!r}]", value) for key, value in obj.items())
     else:
         yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
+
+
+# Types whose .to() is known to return a new object and leave the original alone; any other
+# .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
+# PyG Data) move their contents in place and return self, which would mutate the input.
+_PURE_TO: frozenset[type] = frozenset({torch.nn.utils.rnn.PackedSequence})
+
+
+def to_object(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
+    """``obj`` moved by its own ``.to()``, on a shallow copy where it can be copied; raises ``LeafError``."""
+    tp = type(obj)
+    try:
+        target = obj if tp in _PURE_TO else copy.copy(obj)
+    except RecursionError:
+        raise  # deep nesting: the walk falls back to one with a stack
+    except Exception:
+        target = obj  # not copyable: its own .to() is all there is
+    try:
+        if _tree.accepts_non_blocking(tp):  # type: ignore[arg-type]  # types hash
+            try:
+                out = target.to(dev, non_blocking=non_blocking)
+            except TypeError as err:
+                if "non_blocking" not in str(err):
+                    raise
+                out = target.to(dev)
+        else:
+            out = target.to(dev)
+    except RecursionError:
+        raise
+    except Exception as err:
+        raise LeafError(obj, err) from err
+    return target if out is None else out  # a .to() that moves the object in place and returns nothing
 
 
 def devices_held(obj: Any, depth: int = 3) -> set[torch.device]:

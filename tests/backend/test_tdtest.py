@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
 from tests import helpers, strategies
@@ -67,7 +68,7 @@ def test_a_tensor_met_twice_crosses_once() -> None:
 
 def test_large_leaves_travel_alone() -> None:
     big = torch.randn(1024)  # 4 KiB, over the threshold given below
-    tree = {"big": big, "small": [torch.randn(2) for _ in range(5)]}
+    tree = {"big": big, "small": [torch.randn(2) for _ in range(_layout.COALESCE_MIN_TENSORS)]}
     before = tdtest.COPIES["h2d"]
     _, back = there_and_back(tree, coalesce_max_bytes=1024)
     assert tdtest.COPIES["h2d"] - before == 2  # the small ones together, the big one alone
@@ -101,12 +102,82 @@ def test_random_trees_round_trip(tree: Any) -> None:
     helpers.assert_same_tree(back, expected, values=True, grad=False)
 
 
+# ---------------------------------------------------------------- what crosses, by the batch's plan
+
+
+class Ops(TorchDispatchMode):
+    """Every aten op dispatched, by name, and the dtypes of the tensors made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.made: list[torch.dtype] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func.__name__)
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.made.append(out.dtype)
+        return out
+
+
+STAGING_OPS = ("_foreach_copy_", "cat", "stack", "unbind", "split_with_sizes")
+
+
+def dispatched(fn: Any) -> tuple[Any, Ops, dict[str, int]]:
+    ops = Ops()
+    before = dict(tdtest.COPIES)
+    with torch.inference_mode(), ops:
+        out = fn()
+    return out, ops, {k: tdtest.COPIES[k] - before[k] for k in before}
+
+
+def staging_ops(ops: Ops) -> list[str]:
+    return [op for op in ops.ops if op.split(".")[0] in STAGING_OPS]
+
+
+def test_a_bare_tensor_crosses_in_one_copy_with_no_staging(pinned_counted: list[int]) -> None:
+    x = torch.randn(32, 10)
+    out, ops, copies = dispatched(lambda: todevice.move(x, "tdtest"))
+    assert copies["h2d"] == 1 and not staging_ops(ops) and torch.uint8 not in ops.made
+    assert pinned_counted == [] and torch.equal(todevice.move(out, "cpu", non_blocking=False), x)
+
+
+def test_a_tokenizer_dict_crosses_one_copy_per_tensor_with_no_staging(pinned_counted: list[int]) -> None:
+    batch = {k: torch.randint(0, 9, (32, 512)) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    out, ops, copies = dispatched(lambda: todevice.move(batch, "tdtest"))
+    assert copies["h2d"] == 3 and not staging_ops(ops) and torch.uint8 not in ops.made
+    assert pinned_counted == []  # 384 KiB in all: under the driver's limit
+    helpers.assert_same_tree(todevice.move(out, "cpu", non_blocking=False), batch, values=True)
+
+
+def test_a_few_small_tensors_go_alone_and_many_together() -> None:
+    few = [torch.randn(4) for _ in range(_layout.COALESCE_MIN_TENSORS - 1)]
+    _, ops, copies = dispatched(lambda: todevice.move(few, "tdtest"))
+    assert copies["h2d"] == len(few) and not staging_ops(ops)
+    many = [torch.randn(4) for _ in range(100)]
+    out, _, copies = dispatched(lambda: todevice.move(many, "tdtest"))
+    assert copies["h2d"] == 1  # 100 small tensors, one copy
+    helpers.assert_same_tree(todevice.move(out, "cpu", non_blocking=False), many, values=True)
+
+
+def test_a_batch_already_on_the_device_dispatches_no_op() -> None:
+    with torch.inference_mode():
+        there = todevice.move({"x": torch.randn(3), "y": [torch.randn(2), torch.arange(3)]}, "tdtest")
+        alone = torch.randn(4).to("tdtest")
+    out, ops, copies = dispatched(lambda: todevice.move(there, "tdtest"))
+    assert ops.ops == [] and copies == {"h2d": 0, "d2h": 0, "d2d": 0}
+    assert out["x"] is there["x"] and out["y"][1] is there["y"][1]
+    same, ops, _ = dispatched(lambda: todevice.move(alone, "tdtest"))
+    assert same is alone and ops.ops == []
+
+
 # ---------------------------------------------------------------- staging through pinned memory
 
 
 @pytest.fixture
-def pinned_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Pinned memory for a backend that has none: plain host blocks, counted; chunks of 1 KiB."""
+def pinned_counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pinned memory for a backend that has none: plain host blocks, their sizes counted."""
     sizes: list[int] = []
 
     def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -114,20 +185,48 @@ def pinned_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return torch.empty(numel, dtype=dtype)
 
     monkeypatch.setattr(_move._stream, "pinned", pinned)
-    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 1024)
     return sizes
 
 
-def test_a_large_pageable_tensor_crosses_in_chunks_through_pinned_memory(pinned_stand_in: list[int]) -> None:
-    big = torch.randn(2560)  # 10 KiB: ten chunks of 1 KiB
-    tree = {"big": big, "small": [torch.randn(2) for _ in range(5)]}
+@pytest.fixture
+def pinned_stand_in(pinned_counted: list[int], monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``pinned_counted``, with the driver's limits shrunk to 1 KiB: tensors of a few KiB are staged as
+    those of a few MiB are on a GPU."""
+    sizes = pinned_counted
+    monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES", 1024)
+    monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES_ONE", 1024)
+    return sizes
+
+
+def test_pageable_tensors_over_the_limit_cross_through_one_pinned_buffer(pinned_stand_in: list[int]) -> None:
+    big = torch.randn(2560)  # 10 KiB
+    tree = {"big": big, "small": [torch.randn(2) for _ in range(5)], "more": torch.randn(300)}
     before = tdtest.COPIES["h2d"]
     del tdtest.NON_BLOCKING[:]
     there, back = there_and_back(tree, coalesce_max_bytes=1024)
-    assert tdtest.COPIES["h2d"] - before == 11  # the small ones together, the big one in ten chunks
+    # Five small tensors are too few to coalesce: each of the seven crosses alone, all through one buffer.
+    assert tdtest.COPIES["h2d"] - before == 7
     assert all(nb for kind, nb in tdtest.NON_BLOCKING if kind == "h2d")
-    assert pinned_stand_in.count(1024) == 10
-    assert there["big"].raw.untyped_storage().nbytes() == big.nbytes  # its own allocation
+    assert pinned_stand_in == [10240 + 5 * 16 + 1200]  # one allocation, each tensor 16-byte aligned
+    assert there["big"].raw.untyped_storage().nbytes() == big.nbytes  # its own allocation on the device
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_pageable_tensors_under_the_limit_cross_as_they_are(pinned_stand_in: list[int]) -> None:
+    tree = {"a": torch.randn(100), "b": torch.randn(100)}  # 800 bytes in all, under 1 KiB
+    before = tdtest.COPIES["h2d"]
+    _, back = there_and_back(tree)
+    assert tdtest.COPIES["h2d"] - before == 2 and pinned_stand_in == []
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_the_small_tensors_coalesced_leave_the_rest_to_the_limit(pinned_stand_in: list[int]) -> None:
+    n = _layout.COALESCE_MIN_TENSORS
+    tree = {"small": [torch.randn(4) for _ in range(n)], "big": torch.randn(2000)}  # 8,000 bytes alone
+    before = tdtest.COPIES["h2d"]
+    _, back = there_and_back(tree, coalesce_max_bytes=64)
+    assert tdtest.COPIES["h2d"] - before == 2  # the small ones in one copy, the big one alone
+    assert sorted(pinned_stand_in) == [n * 16, 8000]  # the coalesced buffer, then the staging of the big one
     helpers.assert_same_tree(back, tree, values=True)
 
 
@@ -150,6 +249,7 @@ def test_staged_values_and_strides_match_to(pinned_stand_in: list[int], make: An
         back = todevice.move(there, "cpu", non_blocking=False)
     assert there.shape == src.shape and there.stride() == expected.stride()
     assert torch.equal(back, src)
+    assert len(pinned_stand_in) == (src.nbytes > 1024)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
@@ -173,28 +273,28 @@ def test_a_pinned_source_is_sent_as_it_is(pinned_stand_in: list[int], monkeypatc
     assert torch.equal(back["big"], src)
 
 
-def test_staging_goes_on_from_pageable_memory_when_pinned_memory_runs_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    given: list[int] = []
+def test_without_pinned_memory_the_copies_go_from_pageable_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
 
-    def two_blocks(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        given.append(numel)
-        return torch.empty(numel, dtype=dtype) if len(given) <= 2 else None
+    def none_left(numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        asked.append(numel)
 
-    monkeypatch.setattr(_move._stream, "pinned", two_blocks)
-    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(_move._stream, "pinned", none_left)
+    monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES_ONE", 1024)
     src = torch.randn(2560)
     before = tdtest.COPIES["h2d"]
     with torch.inference_mode():
         back = todevice.move(todevice.move(src, "tdtest", coalesce=False), "cpu", non_blocking=False)
-    assert tdtest.COPIES["h2d"] - before == 3  # two staged chunks, then the rest in one copy
+    assert asked == [src.nbytes] and tdtest.COPIES["h2d"] - before == 1
     assert torch.equal(back, src)
 
 
 @given(strategies.trees)
-def test_random_trees_round_trip_through_small_staging_chunks(tree: Any) -> None:
+def test_random_trees_round_trip_through_pinned_staging(tree: Any) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(_move._stream, "pinned", lambda numel, dtype, device: torch.empty(numel, dtype=dtype))
-        monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 16)
+        monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES", 16)
+        monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES_ONE", 16)
         _, back = there_and_back(tree, coalesce_max_bytes=32)
     helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
 
@@ -249,36 +349,6 @@ def test_a_packed_batch_on_the_device_is_waited_for_before_unpacking_to_the_host
         back = on_device.unpack()
     assert synced == [DEV]
     helpers.assert_same_tree(back, tree, values=True)
-
-
-def test_a_tensor_larger_than_the_in_flight_cap_waits_for_its_oldest_chunks(
-    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While the stream is busy every chunk takes a new pinned block: past the cap, the oldest is waited for."""
-    waited: list[int] = []
-
-    class Event:
-        def __init__(self, device: Any) -> None:
-            self.recorded = False
-
-        def record(self) -> None:
-            self.recorded = True
-
-        def synchronize(self) -> None:
-            assert self.recorded
-            waited.append(1)
-
-    monkeypatch.setattr(_layout.torch, "Event", Event)
-    monkeypatch.setattr(_layout, "STAGE_MAX_IN_FLIGHT_BYTES", 3 * 1024)
-    src = torch.randn(2560)  # ten chunks of 1 KiB
-    with torch.inference_mode():
-        back = todevice.move(todevice.move(src, "tdtest", coalesce=False), "cpu", non_blocking=False)
-    assert len(waited) == 7  # at most three chunks in flight
-    assert torch.equal(back, src)
-    waited.clear()
-    with torch.inference_mode():
-        todevice.move(torch.randn(512), "tdtest", coalesce=False)  # under the cap: no event at all
-    assert waited == []
 
 
 def test_a_packed_batch_on_the_device_cast_on_the_host_is_copied_back_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -502,8 +572,9 @@ def test_into_one_device_buffer_in_one_copy(one_buffer: None, pinned_stand_in: l
         del tdtest.NON_BLOCKING[:]
         got, copies, _ = counted(lambda b=b: todevice.move(b, out=static))
         assert got is static and [t.raw.data_ptr() for t in static["x"]] == kept
-        # The 102 small tensors in one asynchronous copy, the large one in its own chunks of 1 KiB.
-        assert copies["h2d"] == 1 + b["big"].nbytes // 1024 and copies["d2h"] == 0
+        # The 102 small tensors in one asynchronous copy, the large one through a pinned block of its own.
+        assert copies["h2d"] == 2 and copies["d2h"] == 0
+        assert b["big"].nbytes in pinned_stand_in
         assert all(nb for kind, nb in tdtest.NON_BLOCKING)
         back = todevice.move(static, "cpu", non_blocking=False)
         helpers.assert_same_tree({**back, "name": b["name"]}, b, values=True, same=False)
