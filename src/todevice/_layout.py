@@ -207,6 +207,19 @@ def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) ->
     return buffer
 
 
+def landed(buffer: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, bool]:
+    """A buffer on an accelerator copied to the host once, and whether that copy is still in flight: with
+    ``pinned``, asynchronously into page-locked memory (wait for its device before reading it), otherwise,
+    or where there is none, with a blocking copy into pageable memory."""
+    host = _stream.pinned(buffer.numel(), torch.uint8, buffer.device) if pinned else None
+    if host is None:
+        host = torch.empty(buffer.numel(), dtype=torch.uint8)
+        host.copy_(buffer)
+        return host, False
+    host.copy_(buffer, non_blocking=True)
+    return host, True
+
+
 def read(
     buffer: torch.Tensor, lay: Layout, cast: torch.dtype | None = None, made: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ class Plan(NamedTuple):
     dev: torch.device
     non_blocking: bool
     dtype: torch.dtype | None
+    keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor, straight from where it is
     alone: Callable[[torch.Tensor], torch.Tensor]  # the copy of a tensor sent by itself, staged where it pays
     one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
@@ -157,7 +158,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     # the only one.
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
-    return Plan(dev, non_blocking, dtype, to, alone, one, walk, careful, not host, gathers, stage, to_host, skip)
+    return Plan(dev, non_blocking, dtype, keep, to, alone, one, walk, careful, not host, gathers, stage, to_host, skip)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -501,6 +502,10 @@ def move(
             return p.one(obj)  # type: ignore[arg-type,return-value]
         if p.walk is not None and (p.gathers or not coalesce):  # to the host
             return _host(obj, p, p.walk, coalesce is not False, coalesce_max_bytes)  # type: ignore[no-any-return]
+        if p.sends and not coalesce:
+            out = _flat(obj, p)
+            if out is not None:
+                return out
     elif type(obj) is _Tensor and _compiling():  # a bare tensor with stream= or strict=
         return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict)  # type: ignore[no-any-return]
     if strict:
@@ -518,6 +523,33 @@ def move(
 # Where dynamo would inline move(), it inlines this instead (the attribute torch sets on its own
 # compiled and scripted functions): per-leaf copies it traces, at no cost to eager calls.
 move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
+
+
+def _flat(obj: Any, p: Plan) -> Any:
+    """To an accelerator, a plain dict, list or tuple of fewer than ``COALESCE_MIN_TENSORS`` tensors, none
+    repeated and none sharing memory: each tensor copied alone, straight from where it is, in one pass.
+
+    That is what ``_layout.sending`` plans for such a batch while its host bytes stay under the driver's
+    limit; it saves the take and the skeleton. None for any other batch, which takes the general path.
+    """
+    tp = type(obj)
+    values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
+    if not values or len(values) >= _layout.COALESCE_MIN_TENSORS:
+        return None
+    for v in values:
+        if type(v) is not _Tensor:
+            return None
+    todo = [v for v in values if not p.keep(v)]
+    if todo:
+        host = sum(_layout.nbytes(v) for v in todo if v.is_cpu)
+        if (p.stage and _layout.sending(0, 0, len(todo), host, False).staged) or not _layout.distinct(todo):
+            return None
+        try:
+            made = {id(v): p.to(v) for v in todo}
+        except Exception:  # the general path names the path of the tensor that fails
+            return None
+        values = [made.get(id(v), v) for v in values]
+    return dict(zip(obj, values)) if tp is dict else tp(values)
 
 
 def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
@@ -597,7 +629,12 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
             except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
                 got = [_copy(t, s) for t in picked]
             else:
-                got = _layout.read(_landed(s, buffer), lay, s.plan.dtype, made=s.buffers)
+                small = s.plan.to_host and s.plan.dtype is None and buffer.numel() <= PINNED_RESULT_MAX_BYTES
+                host, pending = _layout.landed(buffer, small)
+                if pending:  # waited for before the move returns
+                    s.waits.add(dev)
+                got = _layout.read(host, lay, s.plan.dtype, made=s.buffers)
+                s.buffers.append(host)
         for i, view in zip(indices, got):
             views[i] = view
     return views
@@ -623,53 +660,6 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
             _walk.raise_with_message(err, msg)
         s.buffers.append(buffer)
     return _layout.read(buffer, lay, p.dtype, made=s.buffers)
-
-
-def _landed(s: State, buffer: torch.Tensor) -> torch.Tensor:
-    """A gathered buffer copied to the host once: asynchronously into pinned memory up to
-    ``PINNED_RESULT_MAX_BYTES`` (the device is waited for before the move returns), otherwise, or
-    with a cast to make on the host at once, with a blocking copy into pageable memory."""
-    p, dev = s.plan, buffer.device
-    host = None
-    if p.to_host and p.dtype is None and buffer.numel() <= PINNED_RESULT_MAX_BYTES:
-        host = _stream.pinned(buffer.numel(), torch.uint8, dev)
-    if host is None:
-        host = torch.empty(buffer.numel(), dtype=torch.uint8)
-        host.copy_(buffer)
-    else:
-        host.copy_(buffer, non_blocking=True)
-        s.waits.add(dev)
-    s.buffers.append(host)
-    return host
-
-
-def unpack(s: State, batch: Any) -> Any:
-    """A PackedBatch's structure on the move's device: its buffer sent once, its slots filled with views."""
-    hit = s.memo.get(id(batch))
-    if hit is not None:
-        return hit[1]
-    views = _send(s, batch.buffer, batch.layout)
-    for k in batch.requires_grad:
-        views[k] = views[k].requires_grad_()
-    skeleton = batch.skeleton
-    outer = s.views, s.aliases, s.packed, s.filling
-    s.views, s.aliases, s.packed, s.filling = views, {}, batch, None
-    try:
-        out = _careful(skeleton, s)
-    except LeafError as failure:
-        raise failure.within(batch, skeleton, s.plan.skip) from None  # the walk the batch is in names the path
-    finally:
-        s.views, s.aliases, s.packed, s.filling = outer
-    s.memo[id(batch)] = (batch, out)
-    return out
-
-
-def unpack_to(batch: Any, device: DeviceLike, non_blocking: bool) -> Any:
-    """``PackedBatch.unpack(device)``: ``move(batch, device, coalesce=False)`` without walking to the batch."""
-    s = State(_plan_for(device, non_blocking, None))
-    out = _run(batch, s, batch)
-    s.finish()
-    return out
 
 
 def move_on_stream(

@@ -164,9 +164,26 @@ class PackedBatch:
             err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
             raise err
 
-    def _todevice_move_(self, state: _move.State) -> Any:
-        """How the walk of :func:`todevice.move` moves a packed batch it meets: unpacked onto its target."""
-        return _move.unpack(state, self)
+    def _todevice_move_(self, s: _move.State) -> Any:
+        """How the walk of :func:`todevice.move` moves a packed batch it meets: its buffer sent once to the
+        move's device, its slots filled with views of the copy."""
+        hit = s.memo.get(id(self))
+        if hit is not None:
+            return hit[1]
+        views = _move._send(s, self.buffer, self.layout)
+        for k in self.requires_grad:
+            views[k] = views[k].requires_grad_()
+        skeleton = self.skeleton
+        outer = s.views, s.aliases, s.packed, s.filling
+        s.views, s.aliases, s.packed, s.filling = views, {}, self, None
+        try:
+            out = _move._careful(skeleton, s)
+        except _walk.LeafError as failure:  # the walk the batch is in names the path
+            raise failure.within(self, skeleton, s.plan.skip) from None
+        finally:
+            s.views, s.aliases, s.packed, s.filling = outer
+        s.memo[id(self)] = (self, out)
+        return out
 
     def pin_memory(self, device: Any = None) -> PackedBatch:
         """This batch with its buffer in page-locked memory: one call, whatever the batch holds.
@@ -202,7 +219,11 @@ class PackedBatch:
         """
         if _traced.compiling():  # per-leaf copies, which the compiler schedules
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
-        return _move.unpack_to(self, "cpu" if device is None else device, non_blocking)
+        # move(batch, device, coalesce=False), without walking to the batch.
+        s = _move.State(_move._plan_for("cpu" if device is None else device, non_blocking, None))
+        out = _move._run(self, s, self)
+        s.finish()
+        return out
 
 
 class _UnpackFirst(TypeError):

@@ -172,6 +172,22 @@ def test_a_batch_already_on_the_device_dispatches_no_op() -> None:
     assert same is alone and ops.ops == []
 
 
+def test_a_flat_batch_that_repeats_a_tensor_or_ties_memory_still_copies_it_once() -> None:
+    t = torch.randn(4)
+    batch = {"a": t, "b": t, "tied": t.view(4), "other": torch.randn(2)}
+    there, _, copies = dispatched(lambda: todevice.move(batch, "tdtest"))
+    assert copies["h2d"] == 2 and there["a"] is there["b"]
+    assert there["tied"].raw.data_ptr() == there["a"].raw.data_ptr()  # tied memory stays tied
+    pair, _, copies = dispatched(lambda: todevice.move((t, t), "tdtest"))
+    assert copies["h2d"] == 1 and pair[0] is pair[1]
+
+
+def test_a_flat_batch_names_the_tensor_that_cannot_be_copied() -> None:
+    batch = {"x": torch.ones(2), "m": torch.ones(2, device="meta")}
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['m'\] \(Tensor of shape \(2,\)"):
+        dispatched(lambda: todevice.move(batch, "tdtest"))
+
+
 # ---------------------------------------------------------------- staging through pinned memory
 
 
