@@ -346,21 +346,25 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 
 def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-    """The :func:`stageable` ones of ``tensors`` copied to ``dev`` (cast to ``dtype`` where move() casts) through
-    one pinned buffer, by id of their source; their targets keep a dense source's strides, as ``.to()`` does.
+    """The pageable ones of ``tensors`` copied to ``dev`` through one pinned buffer, if there are more bytes of
+    them than the driver copies without waiting; by id of their source.
 
-    Empty where that fails (no pinned memory, no room on the device): each tensor is then copied by
-    itself, and an error names its path.
+    Pinned tensors are left out (they are sent as they are), and so are those :func:`stageable` refuses.
+    The copies are cast to ``dtype`` where move() casts, and keep a dense source's strides, as ``.to()``
+    does. Empty where staging does not pay or fails (no pinned memory, no room on the device): each
+    tensor is then copied by itself, and an error names its path.
     """
-    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    pageable = list({id(t): t for t in tensors if stageable(t)}.values())
+    if not sending(0, 0, len(pageable), sum(map(nbytes, pageable)), False).staged:
+        return {}
     try:
-        for t in tensors:
-            if id(t) not in pairs and stageable(t):
-                cast = dtype if dtype is not None and _options.casts(t) else None
-                pairs[id(t)] = (t, torch.empty_like(t, dtype=cast or t.dtype, device=dev))
-        if pairs and send_staged(list(pairs.values())):
-            return {key: out for key, (_, out) in pairs.items()}
-    except Exception:
+        pairs = [
+            (t, torch.empty_like(t, dtype=dtype if dtype is not None and _options.casts(t) else t.dtype, device=dev))
+            for t in pageable
+        ]
+        if send_staged(pairs):
+            return {id(t): out for t, out in pairs}
+    except Exception:  # each is copied by itself, and its error names its path
         pass
     return {}
 

@@ -527,11 +527,9 @@ move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
 
 def _flat(obj: Any, p: Plan) -> Any:
     """To an accelerator, a plain dict, list or tuple of fewer than ``COALESCE_MIN_TENSORS`` tensors, none
-    repeated and none sharing memory: each tensor copied alone, straight from where it is, in one pass.
-
-    That is what ``_layout.sending`` plans for such a batch while its host bytes stay under the driver's
-    limit; it saves the take and the skeleton. None for any other batch, which takes the general path.
-    """
+    repeated and none sharing memory, in one pass: each tensor copied alone, as ``_layout.sending`` plans
+    such a batch, straight from where it is or, over the driver's limit, the pageable ones through one
+    pinned buffer. It saves the take and the skeleton. None for any other batch (the general path)."""
     tp = type(obj)
     values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
     if not values or len(values) >= _layout.COALESCE_MIN_TENSORS:
@@ -541,11 +539,13 @@ def _flat(obj: Any, p: Plan) -> Any:
             return None
     todo = [v for v in values if not p.keep(v)]
     if todo:
-        host = sum(_layout.nbytes(v) for v in todo if v.is_cpu)
-        if (p.stage and _layout.sending(0, 0, len(todo), host, False).staged) or not _layout.distinct(todo):
+        if not _layout.distinct(todo):
             return None
+        host = sum(_layout.nbytes(v) for v in todo if v.is_cpu)
+        staged = p.stage and _layout.sending(0, 0, len(todo), host, False).staged  # pinned ones counted too
+        made = _layout.stage(todo, p.dev, p.dtype) if staged else {}
         try:
-            made = {id(v): p.to(v) for v in todo}
+            made.update((id(v), p.to(v)) for v in todo if id(v) not in made)
         except Exception:  # the general path names the path of the tensor that fails
             return None
         values = [made.get(id(v), v) for v in values]

@@ -228,6 +228,24 @@ def test_pageable_tensors_over_the_limit_cross_through_one_pinned_buffer(pinned_
     helpers.assert_same_tree(back, tree, values=True)
 
 
+def test_images_and_labels_cross_through_one_pinned_buffer_over_the_limit(pinned_stand_in: list[int]) -> None:
+    images, labels = torch.randn(4, 3, 8, 8), torch.arange(4)  # 3 KiB of images, pageable
+    there, _, copies = dispatched(lambda: todevice.move([images, labels], "tdtest"))
+    assert copies["h2d"] == 2 and pinned_stand_in == [images.nbytes + 32]  # one buffer, each 16-byte aligned
+    helpers.assert_same_tree(todevice.move(there, "cpu", non_blocking=False), [images, labels], values=True)
+
+
+def test_pinned_images_go_as_they_are_and_their_labels_straight(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only pageable bytes count towards the limit: pinned images leave 32 bytes of labels, far under it."""
+    images, labels = torch.randn(4, 3, 8, 8), torch.arange(4)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: self is images)
+    there, _, copies = dispatched(lambda: todevice.move((images, labels), "tdtest"))
+    assert copies["h2d"] == 2 and pinned_stand_in == []
+    assert torch.equal(todevice.move(there[0], "cpu", non_blocking=False), images)
+
+
 def test_pageable_tensors_under_the_limit_cross_as_they_are(pinned_stand_in: list[int]) -> None:
     tree = {"a": torch.randn(100), "b": torch.randn(100)}  # 800 bytes in all, under 1 KiB
     before = tdtest.COPIES["h2d"]
