@@ -475,11 +475,12 @@ def test_the_accelerator_verdicts_are_computed_from_the_rows() -> None:
             ("pinned", "todevice.move", 30.0),  # not judged: the target is for pageable tensors
         ]
     ]
-    claim = "move() of 8 x 16 MiB pageable tensors blocks the host under 20 ms while 50 ms of work is queued"
+    blocked[0]["host_ms"] = 8.5
+    claim = "move() of 8 x 16 MiB pageable tensors blocks the host under 10 ms while 50 ms of work is queued"
     assert (
-        _bench.blocked_verdict(blocked) == f"Target: {claim}: met (8 x 16 MiB pageable, 50 ms of work queued: 12.5 ms)."
+        _bench.blocked_verdict(blocked) == f"Target: {claim}: met (8 x 16 MiB pageable, 50 ms of work queued: 8.5 ms)."
     )
-    blocked[0]["host_ms"] = 21.0
+    blocked[0]["host_ms"] = 12.5
     assert _bench.blocked_verdict(blocked).startswith(f"Target: {claim}: not met (")
     prefetch = [
         {"workload": f"20 steps, {kind}", "contender": name, "ms": 100 * x, "x_timm_style": x}
@@ -499,10 +500,73 @@ def test_the_accelerator_verdicts_are_computed_from_the_rows() -> None:
     assert _bench.prefetch_verdict(prefetch).startswith(f"Target: {claim}: not met (")
 
 
+def size_rows(x: float) -> list[dict[str, Any]]:
+    """The size matrix as size_rows() reports it, move() at ``x`` times the helper's speed in every cell."""
+    rows = []
+    for name, tensors in [("1 tensor", 1), ("tokenizer dict", 3), ("10 x", 10), ("100 x", 100), ("1,000 x", 1000)]:
+        for memory in ("pageable", "pinned", "on the device"):
+            for contender, ratio in [("todevice.move", x), (_bench.HELPER, 1.0), ("Lightning", 0.8)]:
+                cell = {"workload": f"{name}, {memory}", "memory": memory, "tensors": tensors, "contender": contender}
+                ratios = {"x_helper_host": ratio, "x_helper_e2e": ratio + 0.1, "x_helper_min": ratio}
+                rows.append({**cell, "host_ms": 1.0, "e2e_ms": 1.0, **ratios})
+    return rows
+
+
+def test_the_size_matrix_is_judged_on_each_target_from_the_lower_ratio() -> None:
+    rows = size_rows(2.6)
+    line = _bench.size_verdict(rows)
+    claims = [
+        "move() of 1 to 3 tensors, pageable and pinned at least 0.9x the helper's speed, host time and end to end",
+        "move() of 10 tensors, pageable and pinned at least 1.0x the helper's speed, host time and end to end",
+        "move() of 100 and 1,000 tensors at least 2.5x the helper's speed, host time and end to end",
+        "move() of 1 to 10 tensors already on the device at least 0.8x the helper's speed, host time and end to end",
+    ]
+    assert [part.split(": ")[0] for part in line.split("Target: ")[1:]] == claims
+    assert line.count(": met (") == 4 and "1 tensor, pageable: 2.60x" in line and "Lightning" not in line
+    assert "1,000 x, on the device" not in line  # on the device, only 1 to 10 tensors are judged
+    slow = [dict(r, x_helper_min=0.85) if r["workload"] == "tokenizer dict, pinned" else r for r in rows]
+    assert _bench.size_verdict(slow).count(": not met (") == 1
+
+
+def test_the_queued_and_loop_tables_are_judged_on_their_targets() -> None:
+    queued = [
+        {"workload": f"{name}, {memory}, 5 ms queued", "contender": c, "host_ms": 1.0, "x_helper_host": x}
+        for name, memory, c, x in [
+            ("1 tensor (32 x 10)", "pageable", "todevice.move", 0.95),
+            ("tokenizer dict", "pinned", "todevice.move", 0.92),
+            ("(images, labels): 19 MB", "pageable", "todevice.move", 5.0),
+            ("(images, labels): 19 MB", "pinned", "todevice.move", 0.5),  # not judged: the 4x is for pageable
+            ("1 tensor (32 x 10)", "pageable", _bench.HELPER, 1.0),
+        ]
+    ]
+    line = _bench.queued_verdict(queued)
+    assert line.count(": met (") == 2 and "pinned, 5 ms queued: 0.50x" not in line
+    queued[1]["x_helper_host"] = 0.8
+    assert line != _bench.queued_verdict(queued) and _bench.queued_verdict(queued).count(": not met (") == 1
+    loop = [
+        {"workload": f"40 steps, {name}, pageable", "contender": c, "ms": 100.0, "x_helper_time": x}
+        for name, c, x in [
+            ("tokenizer dict: 2 x 32 x 512", "todevice.move", 1.02),
+            ("(images, labels): 19 MB", "todevice.move", 0.6),
+            ("(images, labels): 19 MB", "todevice.prefetch", 0.55),
+        ]
+    ]
+    assert _bench.loop_verdict(loop) == (
+        "Target: the loop on tokenizer dict with move() at most 1.03x the helper's time: met (40 steps, tokenizer "
+        "dict: 2 x 32 x 512, pageable: 1.02x). Target: the loop on (images, labels) with move() at most 0.65x the "
+        "helper's time: met (40 steps, (images, labels): 19 MB, pageable: 0.60x)."
+    )
+
+
 def test_every_accelerator_table_that_runs_is_judged_below_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     made = {
+        "size_rows": size_rows(1.2),
+        "queued_rows": [
+            {"workload": "1 tensor, pageable", "contender": "todevice.move", "host_ms": 0.1, "x_helper_host": 1.0}
+        ],
+        "loop_rows": "needs CUDA (torch.cuda._sleep queues the work)",
         "device_rows": device_rows(x_leaf=12.0, x_single=0.9),
         "blocked_rows": [{"workload": "8 x 16 MiB pageable", "contender": "todevice.move", "host_ms": 3.0}],
         "prefetch_rows": [{"workload": "20 steps", "contender": "todevice.prefetch", "ms": 9.0, "x_timm_style": 1.0}],
@@ -516,12 +580,13 @@ def test_every_accelerator_table_that_runs_is_judged_below_it(
     result = _bench.gpu_main(rounds=1)
     lines = capsys.readouterr().out.splitlines()
     judged = [title for title, rows in result.items() if title != "verdicts" and not isinstance(rows, str)]
-    assert len(judged) == 4 and set(result["verdicts"]) == set(judged)
+    assert len(judged) == 6 and set(result["verdicts"]) == set(judged)
     for title in judged:
         line = result["verdicts"][title]
         assert line.startswith("Target: ") and " met (" in line and line in lines
         assert lines.index(f"{title}:") < lines.index(line)
     assert "skipped: no accelerator on this machine" in lines
+    assert "skipped: needs CUDA (torch.cuda._sleep queues the work)" in lines
 
 
 def test_the_json_holds_the_versions_the_machine_the_date_and_the_arguments(tmp_path: Path) -> None:

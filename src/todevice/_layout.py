@@ -447,7 +447,7 @@ _shape_of = operator.attrgetter("shape")
 class _Taking:
     """One take's state: the tensors taken, in walk order, and those left in the skeleton."""
 
-    __slots__ = ("by_id", "by_ptr", "devices", "grad", "loose", "max_bytes", "tensors")
+    __slots__ = ("alone", "by_id", "by_ptr", "devices", "grad", "loose", "max_bytes", "tensors")
 
     def __init__(self, max_bytes: int | None, grad: bool, devices: bool) -> None:
         self.max_bytes = max_bytes
@@ -455,6 +455,7 @@ class _Taking:
         self.devices = devices  # take tensors off the host (False), or off every other device (True)
         self.tensors: list[torch.Tensor] = []
         self.loose: list[Any] = []  # tensors and objects with .to() left in the skeleton
+        self.alone: list[torch.Tensor] = []  # of those, the plain tensors on the side taken from (large, or grad)
         self.by_ptr: dict[int, list[int]] = {}  # careful take: data_ptr -> indices of the tensors taken there
         self.by_id: dict[int, tuple[torch.Tensor, Any]] = {}  # careful take: tensor met before -> (tensor, slot)
 
@@ -476,9 +477,11 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
             big = True
         if big:
             s.loose.append(t)
+            s.alone.append(t)
             return t  # a large tensor keeps its own memory
     if t.requires_grad and not s.grad:
         s.loose.append(t)
+        s.alone.append(t)
         return t  # move() coalesces tensors that need no autograd only
     tensors = s.tensors
     tensors.append(t)
@@ -501,6 +504,8 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
         or (t.requires_grad and not s.grad)
     ):
         s.loose.append(t)
+        if type(t) is _Tensor and t.is_cpu is not s.devices:
+            s.alone.append(t)
         return t
     seen = s.by_id.get(id(t))
     if seen is not None:
@@ -546,6 +551,7 @@ class Taken(NamedTuple):
     tensors: list[torch.Tensor]  # the taken tensors, in walk order
     layout: Layout
     loose: list[Any]  # tensors and objects with .to() left in the skeleton
+    alone: list[torch.Tensor]  # of those, the plain tensors on the side taken from: large, or needing grad
 
 
 def take(
@@ -574,11 +580,11 @@ def take(
         # a quantized one, a dtype a byte buffer does not hold.
         if len(set(map(_data_ptr, tensors))) == len(tensors):
             lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
-            return Taken(skeleton, tensors, lay, taking.loose)
+            return Taken(skeleton, tensors, lay, taking.loose, taking.alone)
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad, devices)
     skeleton = careful.walk(obj, taking)
     tensors = taking.tensors
     lay = layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
-    return Taken(skeleton, tensors, lay, taking.loose)
+    return Taken(skeleton, tensors, lay, taking.loose, taking.alone)

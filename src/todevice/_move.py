@@ -70,8 +70,8 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     elif dtype is None and dev.type == "meta":
         # .to("meta") gives a meta tensor back as it is, and nearly every leaf sent to meta is a copy.
         keep = _layout.NEVER
-    elif dtype is None:
-        keep = lambda t: t.device == dev  # noqa: E731
+    elif dtype is None:  # a host tensor, the usual source, is told apart without making a device object
+        keep = lambda t: not t.is_cpu and t.device == dev  # noqa: E731
     else:
         keep = lambda t: t.device == dev and (t.dtype == dtype or not _options.casts(t))  # noqa: E731
     mps = dev.type == "mps"
@@ -534,22 +534,31 @@ def _flat(obj: Any, p: Plan) -> Any:
     values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
     if not values or len(values) >= _layout.COALESCE_MIN_TENSORS:
         return None
-    for v in values:
-        if type(v) is not _Tensor:
-            return None
-    todo = [v for v in values if not p.keep(v)]
-    if todo:
-        if not _layout.distinct(todo):
-            return None
-        host = sum(_layout.nbytes(v) for v in todo if v.is_cpu)
-        staged = p.stage and _layout.sending(0, 0, len(todo), host, False).staged  # pinned ones counted too
-        made = _layout.stage(todo, p.dev, p.dtype) if staged else {}
-        try:
-            made.update((id(v), p.to(v)) for v in todo if id(v) not in made)
-        except Exception:  # the general path names the path of the tensor that fails
-            return None
-        values = [made.get(id(v), v) for v in values]
-    return dict(zip(obj, values)) if tp is dict else tp(values)
+    keep, todo, host = p.keep, [], 0
+    try:
+        for v in values:
+            if type(v) is not _Tensor:
+                return None
+            if not keep(v):
+                todo.append(v)
+                if v.is_cpu:
+                    host += v.nbytes
+    except RuntimeError:  # a sparse tensor has no nbytes
+        return None
+    if not todo:
+        return dict(obj) if tp is dict else tp(values)
+    if len(todo) > 1 and not _layout.distinct(todo):
+        return None
+    over = host > _layout.PAGEABLE_DIRECT_MAX_BYTES  # under it no count of tensors is staged: no call to is_pinned
+    made = _layout.stage(todo, p.dev, p.dtype) if over and p.stage else {}  # the pageable ones, where it pays
+    try:
+        copies = [made[id(v)] if id(v) in made else p.to(v) for v in todo] if made else [p.to(v) for v in todo]
+    except Exception:  # the general path names the path of the tensor that fails
+        return None
+    if len(todo) < len(values):
+        done = dict(zip(map(id, todo), copies))
+        copies = [done.get(id(v), v) for v in values]
+    return dict(zip(obj, copies)) if tp is dict else tp(copies)
 
 
 def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
@@ -593,8 +602,7 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
     taken = _taken(obj, s, max_bytes)
     if taken is None:
         return _run(obj, s, obj)
-    small = taken.tensors
-    alone = [t for t in taken.loose if isinstance(t, _Tensor) and t.is_cpu]
+    small, alone = taken.tensors, taken.alone
     how = _layout.sending(len(small), taken.layout.nbytes, len(alone), sum(map(_layout.nbytes, alone)), coalesce)
     if how.staged and p.stage:
         s.made.update(_layout.stage(alone if how.together else [*small, *alone], p.dev, p.dtype))

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import todevice
 from tests import helpers, strategies
 from tests.backend import tdtest
-from todevice import _into, _layout, _move
+from todevice import _bench, _into, _layout, _move
 
 DEV = torch.device("tdtest", 0)
 
@@ -186,6 +186,23 @@ def test_a_flat_batch_names_the_tensor_that_cannot_be_copied() -> None:
     batch = {"x": torch.ones(2), "m": torch.ones(2, device="meta")}
     with pytest.raises(NotImplementedError, match=r"Cannot move \['m'\] \(Tensor of shape \(2,\)"):
         dispatched(lambda: todevice.move(batch, "tdtest"))
+
+
+def test_the_size_matrix_table_runs_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)  # tdtest copies as it is asked
+    full = _bench.carried_batches()
+    small = {name: full[name] for name in list(full)[:4]}  # up to 10 tensors: a smoke test, not a timing
+    small[list(full)[1]] = [torch.randn(2, 3, 8, 8), torch.arange(2)]
+    monkeypatch.setattr(_bench, "carried_batches", lambda: small)
+    ours = {"todevice.move": todevice.move, _bench.HELPER: _bench.recursive_to_device, "optree.tree_map": None}
+    monkeypatch.setattr(_bench, "contenders", lambda: (dict(ours), []))  # no peers: importing them takes seconds
+    with torch.inference_mode():
+        rows = _bench.size_rows(rounds=1)
+    assert {r["memory"] for r in rows} == {"pageable", "on the device"}  # tdtest has no pinned memory
+    assert {r["contender"] for r in rows} == {"todevice.move", _bench.HELPER}
+    assert all(r["host_ms"] > 0 and r["e2e_ms"] > 0 for r in rows)
+    assert len(rows) == len({(r["workload"], r["contender"]) for r in rows}) == 16
+    assert _bench.size_verdict(rows).count("Target: ") == 4
 
 
 # ---------------------------------------------------------------- staging through pinned memory
