@@ -422,9 +422,9 @@ def move(
     mutated.  A tensor reached twice is moved once, and distinct tensors over the same memory (tied
     weights) still share memory afterwards.
 
-    From the host to an accelerator, the small tensors travel together: they are packed into one
-    page-locked buffer, sent with one copy, and handed back as views of one device buffer. To the
-    CPU, each accelerator's small tensors are gathered there and come back in one copy.
+    From the host to an accelerator, 16 small tensors or more travel together: packed into one
+    page-locked buffer, sent with one copy, handed back as views of one device buffer; fewer go one
+    by one. To the CPU, each accelerator's small tensors are gathered there and come back in one copy.
 
     Example:
         >>> import torch, todevice
@@ -440,18 +440,18 @@ def move(
             objects with their own ``.to()``, and :class:`todevice.PackedBatch`.
         device: Target device: ``"cuda"``, ``"cuda:1"``, ``torch.device("cpu")``, or an int
             (an index of the current accelerator). May be left out when ``out`` is given.
-        non_blocking: Let host-to-accelerator copies run asynchronously: pageable tensors cross
-            through pinned memory, so the host never waits for queued device work.  Copies that land
-            in host memory are waited for before ``move()`` returns, so results are always safe to
-            read; only results up to 64 KiB land in pinned memory.
+        non_blocking: Let host-to-accelerator copies run asynchronously. Pageable tensors go straight
+            while the driver copies them without waiting for queued work, and through one pinned buffer
+            past that.  Copies that land in host memory are waited for before ``move()`` returns, so
+            results are always safe to read; only results up to 64 KiB land in pinned memory.
         dtype: Cast floating-point and complex tensors to this dtype on the way (as
             ``nn.Module.to(dtype)`` does); integer and bool tensors keep theirs.
         coalesce: Pack small tensors into one buffer and send it in one copy.  None (the default)
-            does so from the host to an accelerator, and from each accelerator to the CPU; True
-            also to ``"meta"``; False never.  Coalesced tensors come back contiguous.
+            does so from the host to an accelerator for 16 or more, and from each accelerator to the
+            CPU; True for any number, ``"meta"`` too; False never.  They come back contiguous.
         coalesce_max_bytes: The largest host tensor, pinned or pageable, that is coalesced. A larger
-            one is copied into an allocation of its own, from pageable memory through pinned
-            chunks, so it never shares memory with another tensor of the batch.
+            one is copied into an allocation of its own, so it never shares memory with another
+            tensor of the batch.
         stream: Issue the copies on this stream, which must be on the target device. Copies from
             host memory do not wait for the current stream. The tensors returned are safe to use on
             the current stream: it waits for the copies, and they are recorded on it. The current
