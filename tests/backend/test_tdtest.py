@@ -188,6 +188,32 @@ def test_a_flat_batch_names_the_tensor_that_cannot_be_copied() -> None:
         dispatched(lambda: todevice.move(batch, "tdtest"))
 
 
+def test_no_stream_or_event_is_looked_up_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fixed costs once per move, not once per tensor: no current_stream() and no Event on the way there."""
+    asked: list[str] = []
+    current_stream = torch.accelerator.current_stream
+
+    def counted_stream(*args: Any) -> Any:
+        asked.append("current_stream")
+        return current_stream(*args)
+
+    class CountedEvent(torch.Event):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            asked.append("Event")
+
+    monkeypatch.setattr(torch.accelerator, "current_stream", counted_stream)
+    monkeypatch.setattr(torch, "Event", CountedEvent)
+    batches = [
+        [torch.randn(4) for _ in range(100)],
+        {"x": [torch.randn(4) for _ in range(5)], "big": torch.randn(1 << 16)},
+        {"a": torch.randn(3), "b": torch.arange(2)},
+        torch.randn(5),
+    ]
+    for batch in batches:
+        dispatched(lambda batch=batch: todevice.move(batch, "tdtest"))
+    assert asked == []
+
+
 def test_the_size_matrix_table_runs_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)  # tdtest copies as it is asked
     full = _bench.carried_batches()
