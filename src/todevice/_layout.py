@@ -266,6 +266,11 @@ def read(
 PAGEABLE_DIRECT_MAX_BYTES = 384 * 1024  # several tensors, all in all
 PAGEABLE_DIRECT_MAX_BYTES_ONE = 2 * 1024 * 1024  # a tensor alone
 
+# The most one move stages. PyTorch's caching host allocator keeps every pinned block it makes for the life
+# of the process, rounded up to a power of two: a 14 GB state dict staged in one block would lock 16 GiB for
+# good. Past this, the rest of the tensors go straight, and the host waits for queued work as .to() does.
+STAGE_MAX_BYTES = 256 * 1024 * 1024
+
 # Small tensors are coalesced (one pinned write, one copy, views) from this many. Measured: a copy
 # launch costs the host 14.4 us, a pinned allocation 2.3 us, a view 2.4 us; moving 10 small tensors
 # coalesced took 1.18x the host time of 10 per-tensor .to() calls, 100 took 0.37x, 1,000 0.31x.
@@ -304,10 +309,11 @@ def staging(nbytes: int, dev: torch.device) -> torch.Tensor:
 
 
 def stageable(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a pageable host tensor that :func:`send_staged` sends: not pinned (that one is sent
-    as it is, never read on the host), not a subclass, not sparse, and not one autograd must follow."""
+    """Whether ``t`` is a pageable host tensor that :func:`send_staged` sends: on the host, not pinned (that one
+    is sent as it is, never read on the host), not a subclass, not sparse, and not one autograd must follow."""
     return not (
         type(t) is not _Tensor
+        or not t.is_cpu
         or t.layout is not torch.strided
         or t.is_nested
         or t.dtype not in DENSE_DTYPES
@@ -349,13 +355,25 @@ def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype
     """The pageable ones of ``tensors`` copied to ``dev`` through one pinned buffer, if there are more bytes of
     them than the driver copies without waiting; by id of their source.
 
-    Pinned tensors are left out (they are sent as they are), and so are those :func:`stageable` refuses.
-    The copies are cast to ``dtype`` where move() casts, and keep a dense source's strides, as ``.to()``
-    does. Empty where staging does not pay or fails (no pinned memory, no room on the device): each
-    tensor is then copied by itself, and an error names its path.
+    Pinned tensors are left out (they are sent as they are), and so are those :func:`stageable` refuses, a
+    tensor over the same memory as one staged already (its copy is a view of that one's, as the walk makes
+    it), and those past ``STAGE_MAX_BYTES``. The copies are cast to ``dtype`` where move() casts, and keep a
+    dense source's strides, as ``.to()`` does. Empty where staging does not pay or fails (no pinned memory,
+    no room on the device): each tensor is then copied by itself, and an error names its path.
     """
-    pageable = list({id(t): t for t in tensors if stageable(t)}.values())
-    if not sending(0, 0, len(pageable), sum(map(nbytes, pageable)), False).staged:
+    pageable: list[torch.Tensor] = []
+    seen: dict[int, list[torch.Tensor]] = {}  # data_ptr -> the tensors staged there
+    total = 0
+    for t in tensors:
+        if not stageable(t):
+            continue
+        at = seen.setdefault(t.data_ptr(), [])
+        if any(u is t or same_view(u, t) for u in at) or total + t.nbytes > STAGE_MAX_BYTES:
+            continue
+        at.append(t)
+        pageable.append(t)
+        total += t.nbytes
+    if not sending(0, 0, len(pageable), total, False).staged:
         return {}
     try:
         pairs = [

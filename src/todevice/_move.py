@@ -194,7 +194,7 @@ def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
         if s.streams is not None:
             _order(t, s)
         try:
-            out = s.plan.to(t)
+            out = s.plan.to(t) if s.planned else s.plan.alone(t)
         except RecursionError:
             raise
         except Exception as err:
@@ -219,6 +219,7 @@ class State:
     filling: State | None = None  # what fills that batch's skipped items as it holds them, made once if needed
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     ordered = False  # on a side stream: whether it waits for the user's stream already
+    planned = False  # whether the batch's plan (_layout.sending) decided what is staged: then no tensor is on its own
 
     def __init__(self, p: Plan, made: dict[int, torch.Tensor] | None = None) -> None:
         self.plan = p
@@ -546,7 +547,7 @@ def _flat(obj: Any, p: Plan) -> Any:
     except RuntimeError:  # a sparse tensor has no nbytes
         return None
     if not todo:
-        return dict(obj) if tp is dict else tp(values)
+        return dict(obj) if tp is dict else tp([*values])  # a new container, as from every path
     if len(todo) > 1 and not _layout.distinct(todo):
         return None
     over = host > _layout.PAGEABLE_DIRECT_MAX_BYTES  # under it no count of tensors is staged: no call to is_pinned
@@ -604,6 +605,7 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
         return _run(obj, s, obj)
     small, alone = taken.tensors, taken.alone
     how = _layout.sending(len(small), taken.layout.nbytes, len(alone), sum(map(_layout.nbytes, alone)), coalesce)
+    s.planned = bool(small or alone)  # else a PackedBatch's loose tensors: each staged by itself where it pays
     if how.staged and p.stage:
         s.made.update(_layout.stage(alone if how.together else [*small, *alone], p.dev, p.dtype))
     if not small:

@@ -289,6 +289,49 @@ def test_pinned_images_go_as_they_are_and_their_labels_straight(
     assert torch.equal(todevice.move(there[0], "cpu", non_blocking=False), images)
 
 
+def test_only_host_tensors_are_staged(pinned_stand_in: list[int]) -> None:
+    """A tensor on the device, cast on the way, is copied there: never through host memory."""
+    with torch.inference_mode():
+        there = torch.ones(4).to("tdtest")
+    batch = {"big": torch.randn(2560), "there": there, "small": torch.zeros(3)}
+    out, _, copies = dispatched(lambda: todevice.move(batch, "tdtest", dtype=torch.float16))
+    assert copies["d2h"] == 0 and copies["d2d"] == 1 and pinned_stand_in == [2560 * 2 + 16]  # cast on the host
+    assert out["there"].dtype == torch.float16
+
+
+def test_tensors_over_the_same_memory_are_staged_once(pinned_stand_in: list[int]) -> None:
+    w = torch.randn(1000)
+    state = {"emb.weight": w.detach(), "head.weight": w.detach(), "bias": torch.zeros(3)}  # as state_dict() ties
+    out, _, copies = dispatched(lambda: todevice.move(state, "tdtest", coalesce_max_bytes=1024))
+    assert copies["h2d"] == 2 and pinned_stand_in == [16 + 4000]
+    assert out["emb.weight"].raw.data_ptr() == out["head.weight"].raw.data_ptr()  # still tied
+
+
+def test_one_move_stages_at_most_stage_max_bytes(pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_layout, "STAGE_MAX_BYTES", 5000)
+    batch = {f"w{i}": torch.randn(1000) for i in range(3)}  # 3 x 4,000 bytes, each over the 1 KiB limit
+    out, _, copies = dispatched(lambda: todevice.move({"nested": batch}, "tdtest", coalesce_max_bytes=1024))
+    assert copies["h2d"] == 3 and pinned_stand_in == [4000]  # the first staged, the rest straight
+    helpers.assert_same_tree(todevice.move(out, "cpu", non_blocking=False), {"nested": batch}, values=True)
+
+
+def test_a_packed_batch_s_large_pageable_tensors_are_staged(pinned_stand_in: list[int]) -> None:
+    images = torch.randn(20000)  # 80 KB: left out of the packed buffer, over the (shrunk) limit
+    packed = todevice.pack({"images": images, "labels": torch.arange(4)})
+    for move in (lambda: todevice.move(packed, "tdtest"), lambda: packed.unpack("tdtest")):
+        del pinned_stand_in[:]
+        out, _, _ = dispatched(move)
+        assert images.nbytes in pinned_stand_in
+        assert torch.equal(todevice.move(out["images"], "cpu", non_blocking=False), images)
+
+
+def test_a_flat_batch_already_there_comes_back_in_a_new_container() -> None:
+    with torch.inference_mode():
+        pair = (torch.ones(2).to("tdtest"), torch.zeros(2).to("tdtest"))
+    out, ops, _ = dispatched(lambda: todevice.move(pair, "tdtest"))
+    assert out is not pair and out[0] is pair[0] and type(out) is tuple and ops.ops == []
+
+
 def test_pageable_tensors_under_the_limit_cross_as_they_are(pinned_stand_in: list[int]) -> None:
     tree = {"a": torch.randn(100), "b": torch.randn(100)}  # 800 bytes in all, under 1 KiB
     before = tdtest.COPIES["h2d"]
