@@ -103,6 +103,15 @@ def test_coalesced_cast_matches_the_reference(tree: Any, dtype: torch.dtype) -> 
     helpers.assert_same_tree(out, helpers.reference_move(tree, "meta", dtype))
 
 
+def test_a_kept_coalesced_tensor_holds_at_most_one_bounded_buffer() -> None:
+    batch = {f"x{i}": torch.randn(16384) for i in range(100)}  # 100 x 64 KiB: 6.25 MiB of small tensors
+    out = todevice.move(batch, "meta", coalesce=True)
+    held = {out[k].untyped_storage().nbytes() for k in out}
+    assert max(held) <= _layout.COALESCED_MAX_BYTES and sum(held) == 100 * 65536  # two buffers, nothing shared
+    few = todevice.move({f"x{i}": torch.randn(4) for i in range(1000)}, "meta", coalesce=True)
+    assert few["x1"].untyped_storage().nbytes() == 16000  # well under the bound: one buffer, as before
+
+
 def test_one_buffer_for_all_tensor_bytes() -> None:
     tree = {
         "x": [torch.randn(4) for _ in range(10)],

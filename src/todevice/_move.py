@@ -150,12 +150,10 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
             return out
         return _again(t, entries, s)
 
-    # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the
-    # host the first walk only records its copies, in a list, and a batch found to repeat one is
-    # walked again with the memo, reusing the copies made: the only waste is a second copy of a
-    # repeated tensor, in host memory for the length of the call. On an accelerator that copy would
-    # hold device memory, and a copy launch costs far more than the memo: there the careful walk is
-    # the only one.
+    # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the host
+    # the first walk only records its copies, and a batch found to repeat one is walked again with the
+    # memo, reusing them: a repeated tensor may be copied twice, in host memory. On an accelerator that
+    # copy would hold device memory: there the careful walk (or _flat, which checks first) is the one.
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
     return Plan(dev, non_blocking, dtype, keep, to, alone, one, walk, careful, not host, gathers, stage, to_host, skip)
@@ -612,9 +610,12 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
         return _run(obj, s, obj)
     if not how.together:
         return _filled(taken, s, obj, lambda: [_copy(t, s) for t in small])
-    staging = _layout.staging(taken.layout.nbytes, p.dev)
-    _layout.write(staging, taken.layout, taken.tensors)
-    return _filled(taken, s, obj, lambda: _send(s, staging, taken.layout))
+    views: list[torch.Tensor] = []
+    for part, lay in _layout.parts(small, taken.layout, p.dtype):  # bounded: what one kept tensor holds alive
+        staging = _layout.staging(lay.nbytes, p.dev)
+        _layout.write(staging, lay, part)
+        views += _send(s, staging, lay)
+    return _filled(taken, s, obj, lambda: views)
 
 
 def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:

@@ -231,6 +231,24 @@ def test_the_size_matrix_table_runs_on_an_accelerator(monkeypatch: pytest.Monkey
     assert _bench.size_verdict(rows).count("Target: ") == 4
 
 
+def test_coalesced_buffers_are_bounded_so_a_kept_tensor_holds_little() -> None:
+    """1,600 x 64 KiB coalesced: buffers of at most COALESCED_MAX_BYTES, one copy each, not one of 100 MiB."""
+    batch = [torch.randn(16384) for _ in range(100)]  # 100 x 64 KiB, 6.25 MiB
+    tied = batch[0].view(16384)  # distinct, over the same memory, read the same way
+    out, _, copies = dispatched(lambda: todevice.move({"x": batch, "tied": tied}, "tdtest", coalesce=True))
+    assert copies["h2d"] == 2  # 4 MiB, then the rest
+    assert out["tied"].raw.data_ptr() == out["x"][0].raw.data_ptr()  # tied across the buffers' walk order
+    helpers.assert_same_tree(todevice.move(out, "cpu", non_blocking=False), {"x": batch, "tied": tied}, values=True)
+
+
+@given(strategies.trees)
+def test_random_trees_round_trip_in_small_coalesced_buffers(tree: Any) -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(_layout, "COALESCED_MAX_BYTES", 64)
+        _, back = there_and_back(tree, coalesce=True)
+    helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
+
+
 # ---------------------------------------------------------------- staging through pinned memory
 
 
