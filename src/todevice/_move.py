@@ -502,7 +502,7 @@ def move(
         if p.walk is not None and (p.gathers or not coalesce):  # to the host
             return _host(obj, p, p.walk, coalesce is not False, coalesce_max_bytes)  # type: ignore[no-any-return]
         if p.sends and not coalesce:
-            out = _flat(obj, p)
+            out = _flat(obj, p, coalesce)
             if out is not None:
                 return out
     elif type(obj) is _Tensor and _compiling():  # a bare tensor with stream= or strict=
@@ -524,15 +524,13 @@ def move(
 move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
 
 
-def _flat(obj: Any, p: Plan) -> Any:
-    """To an accelerator, a plain dict, list or tuple of fewer than ``COALESCE_MIN_TENSORS`` tensors, none
-    repeated and none sharing memory, in one pass: each tensor copied alone, as ``_layout.sending`` plans
-    such a batch, straight from where it is or, over the driver's limit, the pageable ones through one
-    pinned buffer. It saves the take and the skeleton. None for any other batch (the general path)."""
+def _flat(obj: Any, p: Plan, coalesce: bool | None) -> Any:
+    """To an accelerator, in one pass, a plain dict, list or tuple of tensors with fewer than COALESCE_MIN_TENSORS to
+    copy (any number with coalesce=False), none repeated or sharing memory: each copied alone, as _layout.sending
+    plans it, straight or past the driver's limit through one pinned buffer. Else None (the general path)."""
     tp = type(obj)
     values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
-    if not values or len(values) >= _layout.COALESCE_MIN_TENSORS:
-        return None
+    least = _layout.COALESCE_MIN_TENSORS if coalesce is None else len(values) + 1
     keep, todo, host = p.keep, [], 0
     try:
         for v in values:
@@ -540,12 +538,14 @@ def _flat(obj: Any, p: Plan) -> Any:
                 return None
             if not keep(v):
                 todo.append(v)
+                if len(todo) >= least:  # enough to coalesce: the general path, after at most this many looks
+                    return None
                 if v.is_cpu:
                     host += v.nbytes
     except RuntimeError:  # a sparse tensor has no nbytes
         return None
-    if not todo:
-        return dict(obj) if tp is dict else tp([*values])  # a new container, as from every path
+    if not todo:  # a new container, as from every path; an empty one or another type takes the general path
+        return (dict(obj) if tp is dict else tp([*values])) if values else None
     if len(todo) > 1 and not _layout.distinct(todo):
         return None
     over = host > _layout.PAGEABLE_DIRECT_MAX_BYTES  # under it no count of tensors is staged: no call to is_pinned

@@ -170,6 +170,10 @@ def test_a_batch_already_on_the_device_dispatches_no_op() -> None:
     assert out["x"] is there["x"] and out["y"][1] is there["y"][1]
     same, ops, _ = dispatched(lambda: todevice.move(alone, "tdtest"))
     assert same is alone and ops.ops == []
+    with torch.inference_mode():
+        many = {f"t{i}": torch.randn(2).to("tdtest") for i in range(1000)}
+    out, ops, _ = dispatched(lambda: todevice.move(many, "tdtest"))
+    assert ops.ops == [] and out is not many and all(out[k] is many[k] for k in many)
 
 
 def test_a_flat_batch_that_repeats_a_tensor_or_ties_memory_still_copies_it_once() -> None:
