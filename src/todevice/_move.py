@@ -632,7 +632,7 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
         else:
             lay = taken.layout
             if len(by_device) > 1:
-                lay = _layout.layout(tuple(t.dtype for t in picked), tuple(t.shape for t in picked), s.plan.dtype)
+                lay = _layout.layout_for(picked, s.plan.dtype)
             if s.streams is not None:
                 _order(picked[0], s)
             try:
