@@ -19,12 +19,6 @@ T = TypeVar("T")
 _Tensor = torch.Tensor
 _compiling = _traced.compiling
 
-# Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
-# stays asynchronous until the one wait before move() returns); larger ones are copied into
-# pageable memory. The caching host allocator keeps every pinned block it ever made, rounded up to a
-# power of two, so a 640 MiB result would otherwise lock 1 GiB of host memory for good.
-PINNED_RESULT_MAX_BYTES = COALESCE_MAX_BYTES
-
 
 class Plan(NamedTuple):
     """What a move to one device with one set of options does: a pure function of the three, made once."""
@@ -45,12 +39,12 @@ class Plan(NamedTuple):
     skip: frozenset[Any]  # the keys whose items stay as they are
 
 
-class _Careful(Exception):
-    """Internal: the optimistic walk met an object that only the careful walk moves."""
+class _Careful(Exception):  # the optimistic walk met an object that only the careful walk moves
+    pass
 
 
-class _Gather(Exception):
-    """Internal: a move to the CPU met a tensor off the host, which the walk that coalesces moves."""
+class _Gather(Exception):  # a move to the CPU met a tensor off the host, which the walk that coalesces moves
+    pass
 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
@@ -91,7 +85,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
         cast = dtype if dtype is not None and _options.casts(t) else None
         nb = non_blocking
         if to_host:
-            nb = _layout.nbytes(t) <= PINNED_RESULT_MAX_BYTES
+            nb = _layout.nbytes(t) <= _layout.PINNED_RESULT_MAX_BYTES
         elif mps:  # pageable-to-MPS async copies can return zeros (pytorch#83015): only pinned sources go async
             nb = nb and t.is_pinned()
         return t.to(dev, cast, non_blocking=nb)
@@ -205,10 +199,10 @@ def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
 class State:
     """One careful move's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
 
-    Every copy is appended to ``sources`` and ``results``. ``by_ptr`` maps a data_ptr to the
-    (source, result) pairs at that address (aliasing, and distinct tensors over the same memory), and
-    tensors at address 0 and objects go in ``memo``, by id. Each keeps its sources alive, so ids and
-    addresses stay theirs. ``made`` holds the copies an optimistic walk made before, by id of their source.
+    Every copy is appended to ``sources`` and ``results``. ``by_ptr`` maps a data_ptr to the (source, result) pairs
+    at that address (aliasing, and distinct tensors over the same memory), and tensors at address 0 and objects go
+    in ``memo``, by id. Each keeps its sources alive, so ids and addresses stay theirs. ``made`` holds the copies an
+    optimistic walk made before, by id of their source.
     """
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
@@ -274,6 +268,10 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
     except _Gather:
         if not gather:
             return _carefully(obj, p, rec)
+        if not p.skip and p.dtype is None:  # a flat dict, list or tuple of device tensors: one look, one copy
+            out = _layout.brought(obj, max_bytes, _layout.PINNED_RESULT_MAX_BYTES if p.to_host else -1)
+            if out is not None:
+                return out
         s = State(p, _made(rec))
         out = _batch(obj, s, True, max_bytes)
         s.finish()
@@ -287,21 +285,18 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
     return out
 
 
-def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:
-    """The careful walk after an optimistic one, reusing the copies it made (the first of each source)."""
+def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an optimistic walk, reusing its copies
     s = State(p, _made(rec))
     out = _run(obj, s, obj)
     s.finish()
     return out
 
 
-def _made(rec: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """The copies an optimistic walk recorded, by id of their source (the first copy of each)."""
+def _made(rec: list[torch.Tensor]) -> dict[int, torch.Tensor]:  # an optimistic walk's copies, by source id
     return dict(zip(map(id, rec[-2::-2]), rec[::-2]))
 
 
-def _run(x: Any, s: State, original: Any) -> Any:
-    """The careful walk of a move over ``x``; errors name paths in ``original``."""
+def _run(x: Any, s: State, original: Any) -> Any:  # the careful walk over x; errors name paths in original
     try:
         return _careful(x, s)
     except LeafError as failure:
@@ -352,8 +347,7 @@ def _held(x: Any, s: State) -> Any:
     return _careful(x, filling)
 
 
-def _slot(x: _tree.Slot, s: State) -> torch.Tensor:
-    """A packed batch's slot: its tensor."""
+def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: its tensor
     try:
         return s.views[x]  # type: ignore[index]
     except TypeError:  # no views: a slot met outside a skeleton
@@ -621,12 +615,13 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
 def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
     """The taken tensors, off the host, copied to it: one buffer gathered per accelerator, one copy each."""
     tensors = taken.tensors
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
+    by_device: dict[torch.device, list[int]] = {dev: [] for dev in set(map(_layout.device_of, tensors))}
+    if len(by_device) > 1:
+        for i, t in enumerate(tensors):
+            by_device[t.device].append(i)
     views: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for dev, indices in by_device.items():
-        picked = _layout.pick(tensors, indices)
+        picked = _layout.pick(tensors, indices) if len(by_device) > 1 else tensors
         if len(picked) == 1 or not _stream.is_accelerator(dev):  # alone, or meta: each copied as it is
             got = [_copy(t, s) for t in picked]
         else:
@@ -640,12 +635,14 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
             except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
                 got = [_copy(t, s) for t in picked]
             else:
-                small = s.plan.to_host and s.plan.dtype is None and buffer.numel() <= PINNED_RESULT_MAX_BYTES
+                small = s.plan.to_host and s.plan.dtype is None and buffer.numel() <= _layout.PINNED_RESULT_MAX_BYTES
                 host, pending = _layout.landed(buffer, small)
                 if pending:  # waited for before the move returns
                     s.waits.add(dev)
                 got = _layout.read(host, lay, s.plan.dtype, made=s.buffers)
                 s.buffers.append(host)
+        if len(by_device) == 1:  # the one device's: all of them, in order
+            return got
         for i, view in zip(indices, got):
             views[i] = view
     return views

@@ -5,11 +5,13 @@ Runs only in a process of its own, started by tests/test_pack.py (``TODEVICE_TDT
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
@@ -481,7 +483,7 @@ def test_a_packed_batch_on_the_device_is_waited_for_before_unpacking_to_the_host
     """A buffer loaded with torch.load(map_location=...) onto a device: its copy back is waited for."""
     synced: list[torch.device] = []
     monkeypatch.setattr(_move._stream, "synchronize", synced.append)
-    monkeypatch.setattr(_move, "PINNED_RESULT_MAX_BYTES", 0)  # tdtest has no pinned memory to land in
+    monkeypatch.setattr(_layout, "PINNED_RESULT_MAX_BYTES", 0)  # tdtest has no pinned memory to land in
     tree = {"x": [torch.randn(3) for _ in range(4)]}
     packed = todevice.pack(tree)
     with torch.inference_mode():
@@ -645,7 +647,7 @@ def test_small_results_land_in_pinned_memory_without_a_wait_per_tensor(
 def test_results_over_the_pinned_limit_are_copied_back_blocking(
     pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_move, "PINNED_RESULT_MAX_BYTES", 1024)
+    monkeypatch.setattr(_layout, "PINNED_RESULT_MAX_BYTES", 1024)
     tree = {"x": [torch.randn(4) for _ in range(100)]}  # 1,600 bytes together
     there = on_device(tree)
     del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
@@ -669,6 +671,71 @@ def test_gradients_flow_back_through_results_that_need_them() -> None:
     assert back["y"].requires_grad and not back["n"][0].requires_grad
     back["y"].sum().backward()
     assert x.grad is not None and torch.equal(x.grad, torch.ones(3))
+
+
+def test_a_flat_dict_of_device_scalars_comes_back_in_one_look_one_gather_and_one_copy(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    metrics = {f"m{i}": torch.tensor(float(i)) for i in range(1000)}
+    there = on_device(metrics)
+    walked: list[Any] = []
+    monkeypatch.setattr(_layout, "take", lambda *a, **k: walked.append(a))  # the general way's walk: not taken
+    del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
+    back, ops, copies = dispatched(lambda: todevice.move(there, "cpu"))
+    assert copies == {"h2d": 0, "d2h": 1, "d2d": 0} and walked == [] and synced == [DEV]
+    assert tdtest.NON_BLOCKING == [("d2h", True)] and pinned_stand_in == [1000 * 16]
+    # No op per tensor from Python: one stack on the device, one copy, one unbind on the host, and the buffers.
+    dispatched_ops = collections.Counter(op.split(".")[0] for op in ops.ops)
+    assert dispatched_ops["stack"] == dispatched_ops["unbind"] == 1 and max(dispatched_ops.values()) <= 2, (
+        dispatched_ops
+    )
+    assert type(back) is dict and list(back) == list(metrics)
+    helpers.assert_same_tree(back, metrics, values=True)
+
+
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_a_flat_list_or_tuple_of_mixed_device_tensors_comes_back_in_one_copy(kind: Any) -> None:
+    tree = kind([torch.randn(3), torch.arange(4), torch.randn(2, 2).half(), torch.tensor(True), torch.randn(6, 4).t()])
+    there = on_device(tree)
+    back, copies, _ = counted(lambda: todevice.move(there, "cpu"))
+    assert copies["d2h"] == 1 and type(back) is kind
+    helpers.assert_same_tree(back, tree, values=True)
+
+
+def test_a_flat_batch_back_keeps_repeats_host_tensors_grads_and_limits() -> None:
+    """What the one-look way back cannot keep, the general way does: the results are the same."""
+    with torch.inference_mode():
+        t, u = torch.randn(4).to("tdtest"), torch.randn(2).to("tdtest")
+    repeated = [t, u, t]
+    back, copies, _ = counted(lambda: todevice.move(repeated, "cpu"))
+    assert copies["d2h"] == 1 and back[0] is back[2] and torch.equal(back[0], t.raw)
+    host = torch.ones(2)
+    back, _, _ = counted(lambda: todevice.move({"a": t, "b": u, "host": host}, "cpu"))
+    assert back["host"] is host and torch.equal(back["b"], u.raw)
+    x = torch.randn(3, requires_grad=True)
+    grads = (u, x.to("tdtest"))
+    back = todevice.move(grads, "cpu", non_blocking=False)
+    assert back[1].requires_grad and not back[0].requires_grad
+    back[1].sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.ones(3))
+    big = on_device([torch.randn(1 << 15), torch.randn(2), torch.randn(2)])  # 128 KiB: over the coalescing limit
+    back, copies, _ = counted(lambda: todevice.move(big, "cpu"))
+    assert copies["d2h"] == 2 and back[0].untyped_storage().nbytes() == 1 << 17
+    skipped, _, _ = counted(lambda: todevice.move({"a": t, "b": u}, "cpu", skip_keys="b", non_blocking=False))
+    assert skipped["b"] is u and skipped["a"].is_cpu
+    cast, _, _ = counted(lambda: todevice.move([t, u], "cpu", dtype=torch.float64, non_blocking=False))
+    assert cast[0].dtype == torch.float64 and torch.equal(cast[0], t.raw.double())
+
+
+@given(st.lists(strategies.tensors(), min_size=2, max_size=12), st.sampled_from([list, tuple, dict]))
+def test_random_flat_batches_come_back_as_the_reference_moves_them(tensors: list[torch.Tensor], kind: Any) -> None:
+    tree = {f"k{i}": t for i, t in enumerate(tensors)} if kind is dict else kind(tensors)
+    there = on_device(tree)
+    with torch.inference_mode():
+        back = todevice.move(there, "cpu")
+    helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
 
 
 @given(strategies.trees)
