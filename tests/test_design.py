@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import todevice
-from todevice import _layout, _move, _stream, _tree, _walk
+from todevice import _into, _layout, _move, _stream, _tree, _walk
 
 SRC = Path(todevice.__file__).parent
 
@@ -78,6 +78,7 @@ ALLOWED_STATE = {
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
     "_stream._resolved",  # a device argument's torch.device, bounded
     "_move._plans",  # move()'s arguments' plan, bounded
+    "_into._checked",  # what out='s checks found of a set of targets, bounded, verified against them on every use
 }
 
 
@@ -92,11 +93,11 @@ def module_state(module: Any) -> set[str]:
 
 
 def test_process_wide_state_is_the_registry_and_bounded_caches() -> None:
-    state = set().union(*(module_state(m) for m in (_tree, _stream, _walk, _layout, _move)))
+    state = set().union(*(module_state(m) for m in (_tree, _stream, _walk, _layout, _into, _move)))
     assert state == ALLOWED_STATE
     cached = [
         fn
-        for m in (_tree, _stream, _walk, _layout, _move)
+        for m in (_tree, _stream, _walk, _layout, _into, _move)
         for fn in vars(m).values()
         if isinstance(fn, functools._lru_cache_wrapper)
     ]

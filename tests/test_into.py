@@ -330,3 +330,104 @@ def test_sets_are_refused_and_skipped_keys_may_be_absent_from_any_mapping() -> N
     static = collections.OrderedDict(x=torch.zeros(2))
     todevice.move(collections.OrderedDict(x=torch.ones(2), lengths=torch.ones(3)), out=static, skip_keys="lengths")
     assert torch.equal(static["x"], torch.ones(2))
+
+
+# ---------------------------------------------------------------- the same targets, step after step
+
+
+def flat_inputs(seed: int) -> dict[str, torch.Tensor]:
+    """100 small inputs, as a loop into static buffers copies them: 90 float32[16] and 10 int64[8]."""
+    g = torch.Generator().manual_seed(seed)
+    out = {f"x{i}": torch.randn(16, generator=g) for i in range(90)}
+    out.update({f"ids{i}": torch.randint(0, 1000, (8,), generator=g) for i in range(10)})
+    return out
+
+
+def one_buffer_static(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host targets that are views of one buffer laid out as coalescing lays it out (what move() gives on a GPU)."""
+    lay = _layout.layout_for(list(example.values()), None)
+    return dict(zip(example, _layout.read(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)))
+
+
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times out='s full check runs."""
+    ran: list[int] = []
+    real = _into._check
+
+    def counted(*args: Any) -> Any:
+        ran.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_into, "_check", counted)
+    _into._checked.clear()
+    return ran
+
+
+def test_the_same_targets_are_checked_once_then_verified_each_step(checks: list[int]) -> None:
+    static = one_buffer_static(flat_inputs(0))
+    for step in range(1, 6):
+        b = flat_inputs(step)
+        assert todevice.move(b, out=static) is static
+        assert all(torch.equal(static[k], b[k]) for k in b)
+    assert len(checks) == 1  # the first step; the four after verify the targets and check the sources only
+
+
+def test_a_changed_target_is_checked_again(checks: list[int]) -> None:
+    static = one_buffer_static(flat_inputs(0))
+    todevice.move(flat_inputs(1), out=static)
+    static["x3"] = torch.zeros(16)  # another tensor at this key: another set of targets
+    b = flat_inputs(2)
+    todevice.move(b, out=static)
+    assert len(checks) == 2 and torch.equal(static["x3"], b["x3"]) and torch.equal(static["x4"], b["x4"])
+    static["x3"].resize_(8)  # the same tensor, another shape: found out, and nothing written
+    kept = {k: v.clone() for k, v in static.items()}
+    with pytest.raises(ValueError, match=r"at \['x3'\], out's tensor has shape \(8,\) and the batch's \(16,\)"):
+        todevice.move(flat_inputs(3), out=static)
+    assert all(torch.equal(static[k], kept[k]) for k in static)
+    static["x3"].set_(torch.zeros(16))  # the same tensor over other memory: its own copy
+    b = flat_inputs(4)
+    todevice.move(b, out=static)
+    assert all(torch.equal(static[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda b: b.update(x5=torch.randn(4)), r"at \['x5'\], out's tensor has shape \(16,\) and the batch's \(4,\)"),
+        (
+            lambda b: b.update(ids2=torch.zeros(8)),
+            r"at \['ids2'\], out's tensor is torch.int64 and the batch's is torch.float32",
+        ),
+        (lambda b: b.update(x7=torch.randn(16, requires_grad=True)), r"at \['x7'\], the batch's tensor requires grad"),
+        (
+            lambda b: b.update(x9=torch.randn(16).to_sparse()),
+            r"at \['x9'\], the batch holds a Tensor .*dense tensors with data only",
+        ),
+    ],
+)
+def test_sources_are_checked_every_step_and_a_bad_one_writes_nothing(
+    checks: list[int], change: Any, error: str
+) -> None:
+    static = one_buffer_static(flat_inputs(0))
+    todevice.move(flat_inputs(1), out=static)
+    kept = {k: v.clone() for k, v in static.items()}
+    b = flat_inputs(2)
+    change(b)
+    with pytest.raises(ValueError, match=error):
+        todevice.move(b, out=static)
+    assert all(torch.equal(static[k], kept[k]) for k in static)
+    assert len(checks) == 2  # found by the step's own check of the sources, and named by the full one
+
+
+def test_a_target_freed_and_its_id_taken_by_another_tensor_is_verified_by_its_memory(checks: list[int]) -> None:
+    for step in range(4):  # new static buffers each time: ids may come back, memory and layout are verified
+        static = (
+            one_buffer_static(flat_inputs(0))
+            if step % 2
+            else {k: torch.zeros_like(v) for k, v in flat_inputs(0).items()}
+        )
+        b = flat_inputs(step)
+        todevice.move(b, out=static)
+        assert all(torch.equal(static[k], b[k]) for k in b)
+        del static
