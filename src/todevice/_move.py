@@ -303,8 +303,7 @@ def _run(x: Any, s: State, original: Any) -> Any:  # the careful walk over x; er
         _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
 
 
-def _careful(x: Any, s: State) -> Any:
-    """The careful walk of a move over ``x``, going on on a stack past Python's recursion limit."""
+def _careful(x: Any, s: State) -> Any:  # the careful walk over x, on a stack past Python's recursion limit
     try:
         return s.plan.careful.walk(x, s)
     except RecursionError as err:
@@ -518,10 +517,11 @@ def move(
 move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
 
 
-def _flat(obj: Any, p: Plan, coalesce: bool | None) -> Any:
-    """To an accelerator, in one pass, a plain dict, list or tuple of tensors with fewer than COALESCE_MIN_TENSORS to
-    copy (any number with coalesce=False), none repeated or sharing memory: each copied alone, as _layout.sending
-    plans it, straight or past the driver's limit through one pinned buffer. Else None (the general path)."""
+def _flat(obj: Any, p: Plan, coalesce: bool | None, s: State | None = None) -> Any:
+    """To an accelerator, in one pass, a plain dict, list or tuple with under COALESCE_MIN_TENSORS tensors to copy (any
+    number with coalesce=False), none repeated or sharing memory: each copied alone as _layout.sending plans it,
+    straight or past the driver's limit through one pinned buffer; else None. On a side stream (``s``), host tensors
+    only, their copies recorded in ``s``."""
     tp = type(obj)
     values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
     least = _layout.COALESCE_MIN_TENSORS if coalesce is None else len(values) + 1
@@ -536,6 +536,8 @@ def _flat(obj: Any, p: Plan, coalesce: bool | None) -> Any:
                     return None
                 if v.is_cpu:
                     host += v.nbytes
+                elif s is not None:  # on a side stream, a copy from device memory first waits for the user's stream
+                    return None
     except RuntimeError:  # a sparse tensor has no nbytes
         return None
     if not todo:  # a new container, as from every path; an empty one or another type takes the general path
@@ -548,6 +550,9 @@ def _flat(obj: Any, p: Plan, coalesce: bool | None) -> Any:
         copies = [made[id(v)] if id(v) in made else p.to(v) for v in todo] if made else [p.to(v) for v in todo]
     except Exception:  # the general path names the path of the tensor that fails
         return None
+    if s is not None:
+        s.sources += todo
+        s.results += copies
     if len(todo) < len(values):
         done = dict(zip(map(id, todo), copies))
         copies = [done.get(id(v), v) for v in values]
@@ -673,11 +678,8 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
 def move_on_stream(
     batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any] = frozenset()
 ) -> tuple[Any, list[torch.Tensor], torch.Event]:
-    """For prefetch(): move ``batch`` with copies on ``side``; the outputs and an event after them.
-
-    Nothing is handed over yet: the consumer's stream waits for the event only when the batch is
-    used, so the copies of later batches overlap the work on earlier ones.
-    """
+    """For prefetch(): ``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed
+    over yet: the consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
     s = State(plan(dev, non_blocking, None, skip))
     out, _ = _on_stream(batch, s, side, None, COALESCE_MAX_BYTES)
     copied = _stream.record_event(side, dev)
@@ -692,6 +694,7 @@ def _on_stream(
     entered = _stream.enter_stream(stream, s.plan.dev)
     s.streams = (entered.user, stream)
     try:
-        return _batch(obj, s, coalesce, max_bytes), entered.user
+        out = _flat(obj, s.plan, coalesce, s) if s.plan.sends and not coalesce else None
+        return (_batch(obj, s, coalesce, max_bytes) if out is None else out), entered.user
     finally:
         _stream.leave_stream(entered)

@@ -140,3 +140,12 @@ def foreach_copy(self: Any, src: Any, non_blocking: bool = False) -> None:
             dst.raw.copy_(s.raw)
         else:
             dst.copy_(s, non_blocking=non_blocking)  # counted by _copy_from
+
+
+RECORDED: list[int] = []  # the id of every tensor recorded on a stream, in order
+
+
+@impl("aten::record_stream")
+def record_stream(self: Any, s: Any) -> None:
+    """Nothing to protect in host memory: counted, so a test can see which outputs a move records."""
+    RECORDED.append(id(self))

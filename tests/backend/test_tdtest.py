@@ -220,6 +220,55 @@ def test_no_stream_or_event_is_looked_up_per_tensor(monkeypatch: pytest.MonkeyPa
     assert asked == []
 
 
+def test_a_prefetched_batch_costs_what_a_timm_style_prefetcher_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per flat batch: one event, two current_stream() (the copies' start, the hand-over), one record_stream per
+    copy, and no walk: as a side stream, .to() per tensor, wait_stream() and record_stream() cost."""
+    asked: list[str] = []
+    current_stream, take = torch.accelerator.current_stream, _layout.take
+
+    def counted_stream(*args: Any) -> Any:
+        asked.append("current_stream")
+        return current_stream(*args)
+
+    def counted_take(*args: Any, **kwargs: Any) -> Any:
+        asked.append("walk")
+        return take(*args, **kwargs)
+
+    class CountedEvent(torch.Event):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            asked.append("Event")
+
+    monkeypatch.setattr(torch.accelerator, "current_stream", counted_stream)
+    monkeypatch.setattr(torch, "Event", CountedEvent)
+    monkeypatch.setattr(_layout, "take", counted_take)
+    batches = [{"image": torch.randn(3, 8, 8), "label": torch.arange(4) + i} for i in range(5)]
+    del tdtest.RECORDED[:]
+    with torch.inference_mode():
+        got = [(b, [id(b["image"]), id(b["label"])]) for b in todevice.prefetch(batches, "tdtest")]
+    assert collections.Counter(asked) == {"current_stream": 2 * 5, "Event": 5}
+    assert [i for _, ids in got for i in ids] == tdtest.RECORDED  # each copy recorded, when its batch is handed over
+    for (b, _), sent in zip(got, batches):
+        assert b["image"].device == DEV and torch.equal(b["label"].raw, sent["label"])
+
+
+def test_a_flat_batch_on_a_side_stream_records_its_copies_and_a_nested_one_walks() -> None:
+    side = torch.Stream(device="tdtest")
+    flat = {"x": torch.randn(3), "y": torch.arange(2)}
+    del tdtest.RECORDED[:]
+    with torch.inference_mode():
+        out = todevice.move(flat, "tdtest", stream=side)
+    assert sorted(tdtest.RECORDED) == sorted([id(out["x"]), id(out["y"])])
+    with torch.inference_mode():
+        there = todevice.move({"x": torch.randn(3)}, "tdtest")
+        mixed = {"host": torch.randn(2), "there": there["x"]}  # already there: kept, and not recorded
+        del tdtest.RECORDED[:]
+        out = todevice.move(mixed, "tdtest", stream=side)
+    assert out["there"] is there["x"] and [id(out["host"])] == tdtest.RECORDED
+    helpers.assert_same_tree(
+        todevice.move(out, "cpu", non_blocking=False), {**mixed, "there": there["x"].raw}, values=True
+    )
+
+
 def test_the_size_matrix_table_runs_on_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)  # tdtest copies as it is asked
     full = _bench.carried_batches()
