@@ -524,3 +524,57 @@ def test_a_mismatched_batch_names_its_path_and_writes_nothing(spoil: Callable[[d
     torch.cuda.synchronize()
     changed = [i for i, (t, b) in enumerate(zip(out_leaves(static), before)) if not torch.equal(t, b)]
     assert not changed, f"written before the mismatch was found: {changed[:10]}"
+
+
+@cuda_only
+def test_a_flat_dict_of_device_tensors_comes_back_in_one_pinned_copy_after_queued_writes() -> None:
+    dev = accelerator()
+    metrics = {f"m{i}": torch.zeros((), dtype=DTYPES[i % len(DTYPES)], device=dev) for i in range(1000)}
+    mixed = [mixed_small(i, dev) for i in range(60)]
+    todevice.move(metrics, "cpu")  # warm-up
+    cycles = sleep_cycles(50)
+    for value in (3, 4):
+        torch.cuda._sleep(cycles)
+        for t in metrics.values():
+            t.fill_(value)  # queued behind the sleep: the copy back must see it
+        back, copies = memcpys("Memcpy DtoH", lambda: todevice.move(metrics, "cpu"))
+        assert len(copies) == 1 and list(back) == list(metrics), copies
+        assert all(t.is_pinned() and t.dtype == metrics[k].dtype for k, t in back.items())
+        stale = [k for k, t in back.items() if not bool(t == torch.tensor(value).to(t.dtype))]
+        assert not stale, f"read before the device wrote {value}: {stale[:10]}"
+    back_list, copies = memcpys("Memcpy DtoH", lambda: todevice.move(mixed, "cpu"))
+    assert len(copies) == 1 and type(back_list) is list
+    assert all(torch.equal(got, t.cpu()) and got.shape == t.shape for got, t in zip(back_list, mixed))
+
+
+@cuda_only
+def test_static_buffers_checked_once_are_written_right_every_step_and_a_changed_one_is_found() -> None:
+    from todevice import _into
+
+    def step_inputs(seed: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        out = {f"x{i}": sample((16,), torch.float32, gen) for i in range(90)}
+        out.update({f"ids{i}": sample((8,), torch.int64, gen) for i in range(10)})
+        return out
+
+    static = todevice.move(step_inputs(0), "cuda")
+    assert len({t.untyped_storage().data_ptr() for t in static.values()}) == 1
+    _into._checked.clear()
+    batches = [step_inputs(seed) for seed in range(1, 6)]
+    torch.cuda._sleep(sleep_cycles(50))  # the copies queue behind it: staging reused too early shows
+    snapshots = []
+    for batch in batches:
+        assert todevice.move(batch, out=static) is static
+        snapshots.append({k: v.clone() for k, v in static.items()})
+    assert len(_into._checked) == 1  # checked on the first step, verified on the four after
+    for seed, (batch, snap) in enumerate(zip(batches, snapshots), start=1):
+        wrong = [k for k in batch if not torch.equal(snap[k].cpu(), batch[k])]
+        assert not wrong, f"step {seed}: wrong values at {wrong[:10]}"
+    _, copies = memcpys("Memcpy HtoD", lambda: todevice.move(step_inputs(7), out=static))
+    assert copies == ["Memcpy HtoD (Pinned -> Device)"], copies
+    before = {k: v.clone() for k, v in static.items()}
+    static["x5"].resize_(4)  # the same tensor, another shape: checked again, found, nothing written
+    with pytest.raises(ValueError, match=re.escape("at ['x5'], out's tensor has shape (4,)")):
+        todevice.move(step_inputs(8), out=static)
+    torch.cuda.synchronize()
+    assert all(torch.equal(static[k], before[k][: static[k].numel()]) for k in static)

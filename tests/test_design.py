@@ -24,6 +24,7 @@ LAYERS = [
     "_stream",
     "_walk",
     "_layout",
+    "_back",
     "_into",
     "_traced",
     "_move",

@@ -207,43 +207,6 @@ def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) ->
     return buffer
 
 
-def brought(obj: Any, max_bytes: int, pinned_max: int) -> Any:
-    """A plain dict, list or tuple copied to the host with one copy and waited for, when its values are plain tensors
-    on one accelerator needing no grad, none repeated or sharing memory, at most ``max_bytes`` laid out; else None
-    (the general way). Up to ``pinned_max`` bytes they land in pinned memory (an asynchronous copy, then one wait).
-
-    The way back for a flat dict, list or tuple of device tensors (a step's metrics): one look at each tensor,
-    then one gather, one copy and one cut, as the general way does after its two walks. Measured on an H100
-    (bench/README.md, "Device to host"): for 1,000 scalars, ``torch.stack`` costs the host 0.41 ms, the copy and
-    the wait 0.01 ms, ``unbind`` on the host 0.67 ms, and per-leaf ``.cpu()`` 13.5 ms.
-    """
-    tp = type(obj)
-    values: Sequence[Any] = list(obj.values()) if tp is dict else obj if tp is list or tp is tuple else ()
-    if len(values) < 2:
-        return None
-    first = values[0]
-    if type(first) is not _Tensor or first.is_cpu or first.requires_grad:
-        return None
-    dev = first.device
-    if not _stream.is_accelerator(dev):
-        return None
-    # Checked in bulk, a C loop each: all plain tensors, none needing grad, all on one device.
-    if len(set(map(type, values))) > 1 or any(map(_requires_grad, values)) or len(set(map(device_of, values))) > 1:
-        return None
-    try:
-        lay = layout_for(values, None)
-        if lay.nbytes > max_bytes or not distinct(values):  # type: ignore[arg-type]
-            return None
-        buffer = gathered(values, lay, dev)
-    except (RuntimeError, TypeError):  # sparse (no data_ptr), nested (no shape), a dtype no buffer holds, no room
-        return None
-    host, pending = landed(buffer, lay.nbytes <= pinned_max)
-    if pending:
-        _stream.synchronize(dev)
-    got = read(host, lay)
-    return dict(zip(obj, got)) if tp is dict else got if tp is list else tuple(got)
-
-
 # Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
 # stays asynchronous until the one wait before move() returns); larger ones are copied into
 # pageable memory. The caching host allocator keeps every pinned block it ever made, rounded up to a
@@ -535,7 +498,7 @@ _data_ptr = _Tensor.data_ptr
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
 device_of = operator.attrgetter("device")
-_requires_grad = operator.attrgetter("requires_grad")
+requires_grad = operator.attrgetter("requires_grad")
 
 
 class _Taking:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from todevice import _into, _layout, _options, _stream, _traced, _tree, _walk
+from todevice import _back, _into, _layout, _options, _stream, _traced, _tree, _walk
 from todevice._options import COALESCE_MAX_BYTES
 from todevice._stream import DeviceLike
 from todevice._walk import LeafError
@@ -268,8 +268,8 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
     except _Gather:
         if not gather:
             return _carefully(obj, p, rec)
-        if not p.skip and p.dtype is None:  # a flat dict, list or tuple of device tensors: one look, one copy
-            out = _layout.brought(obj, max_bytes, _layout.PINNED_RESULT_MAX_BYTES if p.to_host else -1)
+        if not p.skip and p.dtype is None:  # plain dicts, lists and tuples of device tensors: one look, one copy
+            out = _back.brought(obj, max_bytes, _layout.PINNED_RESULT_MAX_BYTES if p.to_host else -1)
             if out is not None:
                 return out
         s = State(p, _made(rec))

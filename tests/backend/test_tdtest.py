@@ -744,6 +744,34 @@ def test_a_flat_dict_of_device_scalars_comes_back_in_one_look_one_gather_and_one
     helpers.assert_same_tree(back, metrics, values=True)
 
 
+def test_nested_plain_containers_come_back_without_a_walk_and_others_with_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = {"loss": torch.tensor(0.5), "metrics": {f"m{i}": torch.tensor(float(i)) for i in range(40)}, "step": 7}
+    tree["per_class"] = [(torch.randn(1 + i % 4), "class", None) for i in range(30)]
+    there = on_device(tree)
+    walked: list[Any] = []
+    take = _layout.take
+    monkeypatch.setattr(_layout, "take", lambda *a, **k: walked.append(1) or take(*a, **k))
+    back, copies, _ = counted(lambda: todevice.move(there, "cpu", non_blocking=False))
+    assert copies["d2h"] == 1 and walked == []
+    helpers.assert_same_tree(back, tree, values=True)
+    # A namedtuple, a host tensor, a tensor twice or an object: the general way, which keeps what each needs.
+    host = torch.ones(2)
+    point = helpers.Point(*on_device([torch.ones(1), torch.zeros(1)]))
+    for odd in (point, host, there["loss"], helpers.Color.RED):
+        batch = {**there, "odd": [odd]}
+        back, copies, _ = counted(lambda batch=batch: todevice.move(batch, "cpu", non_blocking=False))
+        assert copies["d2h"] == 1 and len(walked) == 1, odd
+        del walked[:]
+        got = back["odd"][0]
+        if odd is point:
+            assert type(got) is helpers.Point and got.x.is_cpu and torch.equal(got.x, torch.ones(1))
+        elif odd is there["loss"]:
+            assert got is back["loss"]  # the same tensor twice: one result
+        else:
+            assert got is odd  # a host tensor, an atom: as it is
+        assert back["metrics"]["m3"].item() == 3.0
+
+
 @pytest.mark.parametrize("kind", [list, tuple])
 def test_a_flat_list_or_tuple_of_mixed_device_tensors_comes_back_in_one_copy(kind: Any) -> None:
     tree = kind([torch.randn(3), torch.arange(4), torch.randn(2, 2).half(), torch.tensor(True), torch.randn(6, 4).t()])

@@ -1,0 +1,89 @@
+"""The way back for a batch of plain dicts, lists and tuples holding device tensors: one look, one copy.
+
+A step's outputs (a metrics dict, a list of per-class values) are many small tensors on one
+accelerator, in containers of the three plain kinds. For such a batch, ``brought`` lists the tensors
+in one recursive pass written for those three kinds alone, gathers them on the device with one kernel
+or two per group of one dtype and shape, copies the buffer to the host once, waits once, and rebuilds
+the containers around the host views. Anything else (another container, an object, a tensor on the
+host or needing grad, repeated or sharing memory) takes the general way, which handles it all.
+
+Measured on an H100 with torch 2.11 (bench/README.md, "Device to host"): for 1,000 scalars,
+``torch.stack`` costs the host 0.41 ms, the copy and the wait 0.01 ms, ``unbind`` on the host 0.67 ms,
+and per-leaf ``.cpu()`` 13.5 ms. The general way's two walks (taking the tensors out, filling the
+skeleton) cost more than the gather and the cut together; the pass here costs a tenth of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from todevice import _layout, _stream, _tree
+
+_Tensor = torch.Tensor
+_ATOMS = _tree.FAST_ATOMS
+
+
+def brought(obj: Any, max_bytes: int, pinned_max: int) -> Any:
+    """``obj`` with its tensors copied to the host and waited for; None where the general way must move it.
+
+    Taken only where ``obj`` is plain dicts, lists and tuples of tensors and atoms, its tensors (two or
+    more) all on one accelerator, none needing grad, repeated or sharing memory, at most ``max_bytes``
+    laid out. Up to ``pinned_max`` bytes they land in pinned memory (an asynchronous copy, then one wait).
+    """
+    tp = type(obj)
+    if tp is not dict and tp is not list and tp is not tuple:
+        return None
+    tensors: list[torch.Tensor] = []
+    try:
+        if not _plain(obj, tensors) or len(tensors) < 2:
+            return None
+    except RecursionError:  # deep or cyclic: the general way goes on on a stack, or says which
+        return None
+    first = tensors[0]
+    dev = first.device
+    if first.is_cpu or not _stream.is_accelerator(dev):
+        return None
+    # Checked in bulk, a C loop each: none needing grad, all on one device.
+    if any(map(_requires_grad, tensors)) or len(set(map(_layout.device_of, tensors))) > 1:
+        return None
+    try:
+        lay = _layout.layout_for(tensors, None)
+        if lay.nbytes > max_bytes or not _layout.distinct(tensors):
+            return None
+        buffer = _layout.gathered(tensors, lay, dev)
+    except (RuntimeError, TypeError):  # sparse (no data_ptr), nested (no shape), a dtype no buffer holds, no room
+        return None
+    host, pending = _layout.landed(buffer, lay.nbytes <= pinned_max)
+    if pending:
+        _stream.synchronize(dev)
+    return _rebuilt(obj, iter(_layout.read(host, lay)))
+
+
+_requires_grad = _layout.requires_grad
+
+
+def _plain(x: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``x`` (a dict, list or tuple) holds only plain containers, tensors and atoms; its tensors appended."""
+    for v in x.values() if type(x) is dict else x:
+        tp = type(v)
+        if tp is _Tensor:
+            tensors.append(v)
+        elif tp is dict or tp is list or tp is tuple:
+            if not _plain(v, tensors):
+                return False
+        elif tp not in _ATOMS:
+            return False
+    return True
+
+
+def _rebuilt(x: Any, views: Any) -> Any:
+    """``x`` rebuilt, each tensor replaced by the next of ``views``, in the order ``_plain`` met them."""
+    if type(x) is dict:
+        return {
+            k: next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views)
+            for k, v in x.items()
+        }
+    done = [next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views) for v in x]
+    return done if type(x) is list else tuple(done)
