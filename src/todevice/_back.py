@@ -15,6 +15,8 @@ skeleton) cost more than the gather and the cut together; the pass here costs a 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,14 +25,15 @@ from todevice import _layout, _stream, _tree
 
 _Tensor = torch.Tensor
 _ATOMS = _tree.FAST_ATOMS
+_JUST_TENSORS = frozenset({_Tensor})
 
 
-def brought(obj: Any, max_bytes: int, pinned_max: int) -> Any:
-    """``obj`` with its tensors copied to the host and waited for; None where the general way must move it.
+def brought(obj: Any, max_bytes: int) -> Any:
+    """``obj`` with its tensors copied to the host in one blocking copy; None where the general way must move it.
 
     Taken only where ``obj`` is plain dicts, lists and tuples of tensors and atoms, its tensors (two or
     more) all on one accelerator, none needing grad, repeated or sharing memory, at most ``max_bytes``
-    laid out. Up to ``pinned_max`` bytes they land in pinned memory (an asynchronous copy, then one wait).
+    laid out.
     """
     tp = type(obj)
     if tp is not dict and tp is not list and tp is not tuple:
@@ -55,10 +58,7 @@ def brought(obj: Any, max_bytes: int, pinned_max: int) -> Any:
         buffer = _layout.gathered(tensors, lay, dev)
     except (RuntimeError, TypeError):  # sparse (no data_ptr), nested (no shape), a dtype no buffer holds, no room
         return None
-    host, pending = _layout.landed(buffer, lay.nbytes <= pinned_max)
-    if pending:
-        _stream.synchronize(dev)
-    return _rebuilt(obj, iter(_layout.read(host, lay)))
+    return _rebuilt(obj, iter(_layout.read(_layout.landed(buffer), lay)))
 
 
 _requires_grad = _layout.requires_grad
@@ -66,7 +66,11 @@ _requires_grad = _layout.requires_grad
 
 def _plain(x: Any, tensors: list[torch.Tensor]) -> bool:
     """Whether ``x`` (a dict, list or tuple) holds only plain containers, tensors and atoms; its tensors appended."""
-    for v in x.values() if type(x) is dict else x:
+    values = x.values() if type(x) is dict else x
+    if set(map(type, values)) == _JUST_TENSORS:  # a metrics dict, a list of per-class values: C loops only
+        tensors.extend(values)
+        return True
+    for v in values:
         tp = type(v)
         if tp is _Tensor:
             tensors.append(v)
@@ -78,12 +82,18 @@ def _plain(x: Any, tensors: list[torch.Tensor]) -> bool:
     return True
 
 
-def _rebuilt(x: Any, views: Any) -> Any:
+def _rebuilt(x: Any, views: Iterator[torch.Tensor]) -> Any:
     """``x`` rebuilt, each tensor replaced by the next of ``views``, in the order ``_plain`` met them."""
-    if type(x) is dict:
+    tp = type(x)
+    if set(map(type, x.values() if tp is dict else x)) == _JUST_TENSORS:
+        if tp is dict:
+            return dict(zip(x, views))  # zip stops at x's end, before taking a view more
+        done = list(itertools.islice(views, len(x)))
+        return done if tp is list else tuple(done)
+    if tp is dict:
         return {
             k: next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views)
             for k, v in x.items()
         }
     done = [next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views) for v in x]
-    return done if type(x) is list else tuple(done)
+    return done if tp is list else tuple(done)

@@ -79,10 +79,11 @@ def into(
 # A loop copies into the same static buffers every step. What the checks found of the targets (their
 # dtypes, shapes, that each is writable, that they are distinct, that they are views of one buffer
 # laid out as coalescing lays it out) is a function of the targets alone. So it is kept, by the
-# targets' ids, with what it was found of (their addresses, shapes, strides and dtypes), and used
-# again only where those are the same on this step; the sources are checked on every step.
-# Measured on an H100 (bench/README.md, "Into static buffers"): for 100 targets, reading a property
-# of each costs the host 6 to 17 us, and the target-side checks about 100 us.
+# targets' ids, with what it was found of (their addresses, shapes and dtypes), and used again only
+# where those are the same on this step and each target is still contiguous; the sources are checked
+# on every step.
+# Measured on an H100's host (bench/README.md, "Into static buffers"): a list of one property of 100
+# tensors takes 6 to 13 us to read, so each check left per step costs about that.
 _checked: dict[tuple[int, ...], _Found] = {}
 _CHECKED_MAX = 8  # static structures a process copies into
 
@@ -92,16 +93,12 @@ class _Found(NamedTuple):
 
     ptrs: list[int]
     shapes: list[torch.Size]
-    strides: list[tuple[int, ...]]
     dtypes: list[torch.dtype]
     device: torch.device
     lay: _layout.Layout
     base: int  # the byte offset of the targets' span in the first target's storage
     non_blocking: bool
     max_bytes: int
-
-
-_stride = _Tensor.stride
 
 
 def _remember(
@@ -125,8 +122,8 @@ def _remember(
     base = int(span.storage_offset())
     if len(_checked) >= _CHECKED_MAX:
         _checked.clear()
-    ptrs, strides = list(map(_data_ptr, targets)), list(map(_stride, targets))
-    found = _Found(ptrs, read.shapes, strides, read.dtypes, first.device, lay, base, non_blocking, max_bytes)
+    ptrs = list(map(_data_ptr, targets))
+    found = _Found(ptrs, read.shapes, read.dtypes, first.device, lay, base, non_blocking, max_bytes)
     _checked[tuple(map(id, targets))] = found
 
 
@@ -151,17 +148,22 @@ def _again(
     assert found is not None
     lay = found.lay
     first = targets[0]
-    span = first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), found.base)
-    with torch.no_grad():
-        if first.is_cpu:
-            _layout.write(span, lay, sources)  # each target's bytes only
-            return True
-        staging = _stream.pinned(lay.nbytes, torch.uint8, found.device) if non_blocking else None
-        asynchronous = staging is not None
-        if staging is None:
-            staging = torch.empty(lay.nbytes, dtype=torch.uint8)
-        _layout.write(staging, lay, sources)
-        span.copy_(staging, non_blocking=asynchronous)
+    try:
+        # Fails before writing anything where a target cannot be written (an inference tensor outside
+        # inference mode): the full check then says which.
+        span = first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), found.base)
+        with torch.no_grad():
+            if first.is_cpu:
+                _layout.write(span, lay, sources)  # each target's bytes only
+                return True
+            staging = _stream.pinned(lay.nbytes, torch.uint8, found.device) if non_blocking else None
+            asynchronous = staging is not None
+            if staging is None:
+                staging = torch.empty(lay.nbytes, dtype=torch.uint8)
+            _layout.write(staging, lay, sources)
+            span.copy_(staging, non_blocking=asynchronous)
+    except RuntimeError:
+        return False
     return True
 
 
@@ -180,9 +182,8 @@ def _unchanged(
         or (dev is not None and dev != found.device)
         or found.ptrs != list(map(_data_ptr, targets))
         or found.shapes != list(map(_shape, targets))
-        or found.strides != list(map(_stride, targets))
         or found.dtypes != list(map(_dtype, targets))
-        or (not torch.is_inference_mode_enabled() and any(map(_Tensor.is_inference, targets)))
+        or not all(map(_Tensor.is_contiguous, targets))
         # The sources, each step: the same shapes and dtypes, dense, on the host, needing no grad.
         or found.shapes != list(map(_shape, sources))
         or found.dtypes != list(map(_dtype, sources))

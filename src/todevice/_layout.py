@@ -207,24 +207,24 @@ def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) ->
     return buffer
 
 
-# Results of a non_blocking move to the host land in page-locked memory up to this size (the copy
-# stays asynchronous until the one wait before move() returns); larger ones are copied into
-# pageable memory. The caching host allocator keeps every pinned block it ever made, rounded up to a
-# power of two, so a 640 MiB result would otherwise lock 1 GiB of host memory for good.
+# A tensor that comes back to the host by itself (coalesce=False, or one needing grad) lands in page-locked
+# memory up to this size, its copy asynchronous until the one wait before move() returns; larger ones are
+# copied into pageable memory. The caching host allocator keeps every pinned block it ever made, rounded up to
+# a power of two, so a 640 MiB result would otherwise lock 1 GiB of host memory for good.
 PINNED_RESULT_MAX_BYTES = _options.COALESCE_MAX_BYTES
 
 
-def landed(buffer: torch.Tensor, pinned: bool) -> tuple[torch.Tensor, bool]:
-    """A buffer on an accelerator copied to the host once, and whether that copy is still in flight: with
-    ``pinned``, asynchronously into page-locked memory (wait for its device before reading it), otherwise,
-    or where there is none, with a blocking copy into pageable memory."""
-    host = _stream.pinned(buffer.numel(), torch.uint8, buffer.device) if pinned else None
-    if host is None:
-        host = torch.empty(buffer.numel(), dtype=torch.uint8)
-        host.copy_(buffer)
-        return host, False
-    host.copy_(buffer, non_blocking=True)
-    return host, True
+def landed(buffer: torch.Tensor) -> torch.Tensor:
+    """A gathered buffer on an accelerator copied to the host with one blocking copy, into pageable memory.
+
+    Measured on an H100: the copy of 1,000 gathered scalars and its wait cost the host 11.6 us blocking, and
+    10.9 us asynchronous into pinned memory plus a 1.7 us pinned allocation. But a pinned allocation first
+    queries the event of every pinned block freed since the last one: after a move that left 1,000 small
+    pinned results, moving 1,000 scalars back took 5.3 ms with a pinned buffer and 3.5 ms with a blocking copy
+    (bench/README.md, "Device to host"). The blocking copy waits for the work queued on the current stream, as
+    the one wait would.
+    """
+    return buffer.to("cpu")
 
 
 def read(

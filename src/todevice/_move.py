@@ -269,7 +269,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         if not gather:
             return _carefully(obj, p, rec)
         if not p.skip and p.dtype is None:  # plain dicts, lists and tuples of device tensors: one look, one copy
-            out = _back.brought(obj, max_bytes, _layout.PINNED_RESULT_MAX_BYTES if p.to_host else -1)
+            out = _back.brought(obj, max_bytes)
             if out is not None:
                 return out
         s = State(p, _made(rec))
@@ -435,7 +435,7 @@ def move(
         non_blocking: Let host-to-accelerator copies run asynchronously. Pageable tensors go straight
             while the driver copies them without waiting for queued work, and through one pinned buffer
             past that.  Copies that land in host memory are waited for before ``move()`` returns, so
-            results are always safe to read; only results up to 64 KiB land in pinned memory.
+            results are always safe to read. Gathered small tensors come back with one blocking copy.
         dtype: Cast floating-point and complex tensors to this dtype on the way (as
             ``nn.Module.to(dtype)`` does); integer and bool tensors keep theirs.
         coalesce: Pack small tensors into one buffer and send it in one copy.  None (the default)
@@ -640,10 +640,7 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
             except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
                 got = [_copy(t, s) for t in picked]
             else:
-                small = s.plan.to_host and s.plan.dtype is None and buffer.numel() <= _layout.PINNED_RESULT_MAX_BYTES
-                host, pending = _layout.landed(buffer, small)
-                if pending:  # waited for before the move returns
-                    s.waits.add(dev)
+                host = _layout.landed(buffer)
                 got = _layout.read(host, lay, s.plan.dtype, made=s.buffers)
                 s.buffers.append(host)
         if len(by_device) == 1:  # the one device's: all of them, in order

@@ -678,31 +678,22 @@ def test_skipped_device_tensors_stay_on_the_device() -> None:
     assert all(x.is_cpu for x in back["x"])
 
 
-def test_small_results_land_in_pinned_memory_without_a_wait_per_tensor(
+def test_gathered_results_come_back_in_one_blocking_copy_with_no_pinned_block_and_no_other_wait(
     pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A pinned buffer would first query the event of every pinned block freed since the last allocation."""
     synced: list[torch.device] = []
     monkeypatch.setattr(_move._stream, "synchronize", synced.append)
-    tree = {"x": [torch.randn(4) for _ in range(100)]}
-    there = on_device(tree)
-    del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
-    back, _, _ = counted(lambda: todevice.move(there, "cpu"))
-    assert tdtest.NON_BLOCKING == [("d2h", True)]  # one asynchronous copy into pinned memory
-    assert pinned_stand_in == [1600]
-    assert synced == [DEV]  # one wait, for the one device, before move() returns
-    helpers.assert_same_tree(back, tree, values=True)
-
-
-def test_results_over_the_pinned_limit_are_copied_back_blocking(
-    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_layout, "PINNED_RESULT_MAX_BYTES", 1024)
-    tree = {"x": [torch.randn(4) for _ in range(100)]}  # 1,600 bytes together
-    there = on_device(tree)
-    del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
-    back, _, _ = counted(lambda: todevice.move(there, "cpu"))
-    assert tdtest.NON_BLOCKING == [("d2h", False)] and pinned_stand_in == []
-    helpers.assert_same_tree(back, tree, values=True)
+    for tree in (
+        {"x": [torch.randn(4) for _ in range(100)]},
+        {"x": [torch.randn(4) for _ in range(100)], "p": helpers.Point(1, 2)},
+    ):
+        there = on_device(tree)
+        del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
+        back, _, _ = counted(lambda there=there: todevice.move(there, "cpu"))
+        assert tdtest.NON_BLOCKING == [("d2h", False)]  # one copy, which waits for the queued work by itself
+        assert pinned_stand_in == [] and synced == []
+        helpers.assert_same_tree(back, tree, values=True)
 
 
 def test_tensors_of_another_device_are_not_gathered_with_these() -> None:
@@ -733,8 +724,8 @@ def test_a_flat_dict_of_device_scalars_comes_back_in_one_look_one_gather_and_one
     monkeypatch.setattr(_layout, "take", lambda *a, **k: walked.append(a))  # the general way's walk: not taken
     del tdtest.NON_BLOCKING[:], pinned_stand_in[:]
     back, ops, copies = dispatched(lambda: todevice.move(there, "cpu"))
-    assert copies == {"h2d": 0, "d2h": 1, "d2d": 0} and walked == [] and synced == [DEV]
-    assert tdtest.NON_BLOCKING == [("d2h", True)] and pinned_stand_in == [1000 * 16]
+    assert copies == {"h2d": 0, "d2h": 1, "d2d": 0} and walked == [] and synced == []
+    assert tdtest.NON_BLOCKING == [("d2h", False)] and pinned_stand_in == []  # one blocking copy
     # No op per tensor from Python: one stack on the device, one copy, one unbind on the host, and the buffers.
     dispatched_ops = collections.Counter(op.split(".")[0] for op in ops.ops)
     assert dispatched_ops["stack"] == dispatched_ops["unbind"] == 1 and max(dispatched_ops.values()) <= 2, (
