@@ -500,6 +500,24 @@ def test_the_accelerator_verdicts_are_computed_from_the_rows() -> None:
     assert _bench.prefetch_verdict(prefetch).startswith(f"Target: {claim}: not met (")
 
 
+def test_the_way_back_is_judged_on_its_three_targets() -> None:
+    def rows(scalars: float, mixed: float, fifty: float, item_ms: float) -> list[dict[str, Any]]:
+        return [
+            {"workload": "50 scalars, a dict", "contender": "todevice.move", "ms": 0.3, "x_per_leaf_cpu": fifty},
+            {"workload": "50 scalars, a dict", "contender": "per-leaf .item()", "ms": item_ms, "x_per_leaf_cpu": 1.4},
+            {"workload": "1,000 scalars, a dict", "contender": "todevice.move", "ms": 2.0, "x_per_leaf_cpu": scalars},
+            {"workload": "1,000 nested: mixed", "contender": "todevice.move", "ms": 2.5, "x_per_leaf_cpu": mixed},
+        ]
+
+    line = _bench.to_host_verdict(rows(6.5, 5.2, 2.1, 0.45))
+    assert line.count(": met (") == 4 and "not met" not in line
+    assert "50 scalars faster than a loop of .item(): met (50 scalars, a dict: 1.50x)" in line
+    line = _bench.to_host_verdict(rows(5.9, 5.2, 2.1, 0.25))
+    assert line.count(": not met (") == 2
+    assert "1,000 scalars at least 6x faster than per-leaf .cpu(): not met (1,000 scalars, a dict: 5.9x)" in line
+    assert "faster than a loop of .item(): not met (50 scalars, a dict: 0.83x)" in line
+
+
 def size_rows(x: float) -> list[dict[str, Any]]:
     """The size matrix as size_rows() reports it, move() at ``x`` times the helper's speed in every cell."""
     rows = []
