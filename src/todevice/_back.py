@@ -48,8 +48,9 @@ def brought(obj: Any, max_bytes: int) -> Any:
     dev = first.device
     if first.is_cpu or not _stream.is_accelerator(dev):
         return None
-    # Checked in bulk, a C loop each: none needing grad, all on one device.
-    if any(map(_requires_grad, tensors)) or len(set(map(_layout.device_of, tensors))) > 1:
+    # Checked in bulk, a C loop each: none needing grad, all on one device (an index each: one accelerator type
+    # per process, and -1 for the host and meta).
+    if any(map(_requires_grad, tensors)) or len(set(map(_Tensor.get_device, tensors))) > 1:
         return None
     try:
         lay = _layout.layout_for(tensors, None)

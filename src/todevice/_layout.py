@@ -70,6 +70,7 @@ class Layout(NamedTuple):
     nbytes: int
     order: tuple[int, ...]  # order[k]: the place in the buffer of the k-th tensor met in the walk
     walk_order: tuple[int, ...]  # walk_order[i]: which tensor of the walk is the i-th in the buffer
+    in_order: bool = False  # the buffer holds the tensors in walk order: nothing to reorder
 
 
 def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
@@ -119,7 +120,7 @@ def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast
     order = [0] * len(walk_order)
     for i, k in enumerate(walk_order):
         order[k] = i
-    return Layout(tuple(groups), offset, tuple(order), tuple(walk_order))
+    return Layout(tuple(groups), offset, tuple(order), tuple(walk_order), walk_order == sorted(walk_order))
 
 
 @functools.lru_cache(maxsize=32)
@@ -169,7 +170,7 @@ def _regions(buffer: torch.Tensor, lay: Layout) -> list[tuple[Block | Ragged, to
 
 def write(buffer: torch.Tensor, lay: Layout, walked: Sequence[torch.Tensor]) -> None:
     """Copy ``walked`` (tensors in walk order) into ``buffer``: one or two C++ calls per group."""
-    tensors = pick(walked, lay.walk_order)
+    tensors = walked if lay.in_order else pick(walked, lay.walk_order)
     k = 0
     for g, region in _regions(buffer, lay):
         if type(g) is Ragged:
@@ -256,7 +257,7 @@ def read(
             else:
                 assert type(g) is Ragged
                 views.extend(_cut(region, g))
-    return pick(views, lay.order)
+    return views if lay.in_order else pick(views, lay.order)
 
 
 # ---------------------------------------------------------------- what a batch sends, and how
@@ -313,7 +314,13 @@ def parts(
 
 def layout_for(tensors: Sequence[torch.Tensor], cast: torch.dtype | None) -> Layout:
     """The layout of these tensors, in this order."""
-    return layout(tuple(map(_dtype_of, tensors)), tuple(map(_shape_of, tensors)), cast)
+    dtypes = tuple(map(_dtype_of, tensors))
+    if not any(map(_Tensor.dim, tensors)):  # 0-dim tensors (a step's metrics): one shape, never read per tensor
+        return layout(dtypes, (_SCALAR,) * len(tensors), cast)
+    return layout(dtypes, tuple(map(_shape_of, tensors)), cast)
+
+
+_SCALAR = torch.Size([])
 
 
 class Sending(NamedTuple):
