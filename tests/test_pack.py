@@ -1165,3 +1165,40 @@ def test_batches_sharing_a_skeleton_keep_their_own_tied_tensors() -> None:
     out[1]["a"].add_(100)
     assert out[1]["b"].data_ptr() == out[1]["a"].data_ptr() and torch.equal(out[1]["b"], out[1]["a"])
     assert torch.equal(out[0]["b"], x.half()) and out[0]["b"].data_ptr() == out[0]["a"].data_ptr()
+
+
+class _AsTensors(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A mapping whose constructor normalises its values, as a config or feature store may: it reads each one."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = {k: torch.as_tensor(v) for k, v in items.items()}
+        self.shapes = {k: tuple(v.shape) for k, v in self._items.items()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        lambda m: todevice.move(m, "meta", coalesce=True),
+        lambda m: todevice.pack(m).unpack(),
+        lambda m: pickle.loads(pickle.dumps(todevice.pack(m))).unpack(),
+        lambda m: todevice.move(todevice.pack(m), "meta"),
+    ],
+    ids=["coalesced", "pack", "pickled", "packed-to-meta"],
+)
+def test_a_mapping_is_rebuilt_from_its_tensors_never_from_the_packing_slots(how: Any) -> None:
+    m = _AsTensors({f"k{i}": torch.full((2, 3), float(i)) for i in range(20)})
+    got = how({"m": m, "n": [m]})
+    for inner in (got["m"], got["n"][0]):
+        assert type(inner) is _AsTensors and inner.shapes == m.shapes
+        assert all(inner[k].shape == (2, 3) for k in m)
+        if not inner["k3"].is_meta:
+            assert torch.equal(inner["k3"], m["k3"])

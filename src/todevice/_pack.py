@@ -246,7 +246,7 @@ def _unpack_first(packed: PackedBatch) -> str:
         held = "batch"
     elif isinstance(skeleton, _tree.Slot):  # the batch is one packed tensor
         held = "Tensor"
-    elif type(skeleton) is _tree.Deferred:  # a registered type, rebuilt when unpacked
+    elif isinstance(skeleton, _tree.Deferred):  # a registered type or a mapping, rebuilt when unpacked
         held = skeleton.cls.__name__
     else:
         held = type(skeleton).__name__

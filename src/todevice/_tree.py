@@ -122,6 +122,13 @@ class Deferred:
         return (type(self), (self.cls, self.aux, self.children))
 
 
+class DeferredMapping(Deferred):
+    """A mapping rebuilt as ``cls(dict)`` in a packed skeleton, only when unpacked: its constructor may read its
+    values (``torch.as_tensor(v)``, ``v.shape``), and while packing they are slots. ``aux`` is ``(None, keys)``."""
+
+    __slots__ = ()
+
+
 # ---------------------------------------------------------------- built-in containers
 
 
@@ -403,17 +410,32 @@ def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
     src, keys, before = aux
     if all(map(operator.is_, children, before)):
         return src
-    tp = type(src)
+    try:
+        return _mapping_from(type(src), keys, children)
+    except TypeError:
+        if all(map(_unchanged, children, before)):  # only containers rebuilt around the same leaves
+            return src
+        raise
+
+
+def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
+    """``tp(dict(zip(keys, children)))``, or a TypeError that says what to do."""
     try:
         return tp(dict(zip(keys, children)))
     except Exception as err:
-        if all(map(_unchanged, children, before)):  # only containers rebuilt around the same leaves
-            return src
         msg = (
             f"Cannot rebuild a {tp.__qualname__}: {tp.__qualname__}(dict) failed ({type(err).__name__}: {err}). "
             f"Register it with todevice.register(), or leave it where it is with skip_keys."
         )
         raise TypeError(msg) from err
+
+
+def _mapping_deferred(aux: tuple[Any, ...], children: list[Any]) -> Any:
+    """A mapping in a packed skeleton: the very same object where nothing in it was taken, else deferred."""
+    src, keys, before = aux
+    if all(map(operator.is_, children, before)):
+        return src
+    return DeferredMapping(type(src), (None, keys), children)
 
 
 def _unchanged(new: Any, old: Any) -> bool:
@@ -432,6 +454,7 @@ def _unchanged(new: Any, old: Any) -> bool:
 
 
 _MAPPING = Kind(NODE, _mapping_flatten, _mapping_unflatten, lambda aux, i: f"[{aux[1][i]!r}]", lambda aux: aux[1])
+_MAPPING_PACKED = _MAPPING._replace(unflatten=_mapping_deferred)
 
 
 # ---------------------------------------------------------------- the registry
@@ -581,6 +604,13 @@ def _deferred_entry(d: Deferred, i: int) -> str:
 _DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry)
 
 
+def _deferred_mapping_unflatten(d: Deferred, children: list[Any]) -> Any:
+    return _mapping_from(d.cls, d.aux[1], children)
+
+
+_DEFERRED_MAPPING = Kind(NODE, _deferred_flatten, _deferred_mapping_unflatten, _deferred_entry, lambda d: d.aux[1])
+
+
 def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
 
@@ -600,6 +630,8 @@ def _classify(tp: type) -> Kind:
         return Kind(SLOT)
     if tp is Deferred:
         return _DEFERRED
+    if tp is DeferredMapping:
+        return _DEFERRED_MAPPING
     reg = _registry.get(tp)
     if reg is not None:
         return reg
@@ -652,8 +684,10 @@ def kind_of(tp: type) -> Kind:
 
 
 def kind_for_packing(tp: type) -> Kind:
-    """``kind_of``, but a registered type is kept as a ``Deferred`` node instead of being rebuilt."""
+    """``kind_of``, but a registered type or a mapping is kept as a ``Deferred`` node instead of being rebuilt."""
     kind = kind_of(tp)
+    if kind is _MAPPING:
+        return _MAPPING_PACKED
     if kind.entry is _registered_entry:  # the rule itself says it is registered: no second lookup to race
         unflatten = kind.unflatten
         return Kind(NODE, kind.flatten, lambda aux, children: Deferred(tp, aux, children, unflatten), kind.entry)

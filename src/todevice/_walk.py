@@ -286,7 +286,7 @@ def cycle_message(err: CycleError, verb: str = "move") -> str:
 
 
 def describe(leaf: Any) -> str:
-    if type(leaf) is _tree.Deferred:
+    if isinstance(leaf, _tree.Deferred):
         return leaf.cls.__qualname__
     if isinstance(leaf, torch.Tensor):
         try:

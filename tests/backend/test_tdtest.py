@@ -874,3 +874,15 @@ def test_into_device_buffers_from_device_tensors() -> None:
     _, copies, _ = counted(lambda: todevice.move(src, out=static))
     assert copies == {"h2d": 0, "d2h": 0, "d2d": 2}
     assert torch.equal(static["a"].raw, torch.ones(3)) and torch.equal(static["b"].raw, torch.full((2,), 2.0))
+
+
+def test_a_mapping_that_reads_its_values_is_rebuilt_from_tensors_both_ways() -> None:
+    from tests.test_pack import _AsTensors
+
+    m = _AsTensors({f"k{i}": torch.full((3,), float(i)) for i in range(20)})
+    batch = {"m": m, "other": [torch.randn(2) for _ in range(5)]}
+    there, copies, _ = counted(lambda: todevice.move(batch, "tdtest"))
+    assert copies["h2d"] == 1 and type(there["m"]) is _AsTensors and there["m"].shapes == m.shapes
+    back, copies, _ = counted(lambda: todevice.move(there, "cpu", non_blocking=False))
+    assert copies["d2h"] == 1 and type(back["m"]) is _AsTensors and back["m"].shapes == m.shapes
+    assert all(torch.equal(back["m"][k], m[k]) for k in m)
