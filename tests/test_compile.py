@@ -138,14 +138,31 @@ def test_fullgraph_move_is_one_graph_of_per_leaf_copies() -> None:
     assert len(copies) == 3  # x and i, each met twice and copied once, and y
 
 
-def test_a_wrapper_made_as_the_readme_says_keeps_its_body_under_compile() -> None:
-    @functools.wraps(todevice.move, updated=())  # the README's advice: not move's __dict__, which dynamo reads
-    def move_half(obj: Any, device: Any, **kwargs: Any) -> Any:
-        return todevice.move(obj, device, dtype=torch.float16, **kwargs)
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_wrapper_made_with_functools_wraps_keeps_its_body_under_compile(fullgraph: bool) -> None:
+    @functools.wraps(todevice.move)  # copies move's __dict__: nothing there may stand in for the wrapper
+    def move_with_extra(batch: dict[str, Any], device: Any, **kwargs: Any) -> Any:
+        batch = {**batch, "extra": torch.zeros(1)}
+        return todevice.move(batch, device, dtype=torch.float16, **kwargs)
 
-    compiled = torch.compile(lambda b: move_half(b, "meta"), backend="eager", fullgraph=True)
-    assert compiled({"x": torch.ones(2)})["x"].dtype == torch.float16
-    assert move_half.__name__ == "move" and move_half.__doc__ == todevice.move.__doc__
+    compiled = torch.compile(lambda b: move_with_extra(b, "meta"), backend="eager", fullgraph=fullgraph)
+    got = compiled({"x": torch.ones(2)})
+    assert sorted(got) == ["extra", "x"] == sorted(move_with_extra({"x": torch.ones(2)}, "meta"))
+    assert got["x"].dtype == torch.float16 and got["x"].is_meta
+    assert move_with_extra.__name__ == "move" and move_with_extra.__doc__ == todevice.move.__doc__
+
+
+def test_a_bare_tensor_is_traced_as_one_copy_in_a_graph() -> None:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    out = torch.compile(lambda t: todevice.move(t, "meta", dtype=torch.float16) * 2, backend=backend, fullgraph=True)(
+        torch.ones(3)
+    )
+    assert out.is_meta and out.dtype == torch.float16 and len(graphs) == 1
 
 
 def test_aot_backend_and_inside_a_model() -> None:
@@ -351,7 +368,7 @@ def test_the_traced_function_takes_what_move_takes() -> None:
         return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
 
     assert shape(_traced.compiled) == shape(todevice.move)
-    assert todevice.move._torchdynamo_inline is _traced.compiled  # type: ignore[attr-defined]
+    assert "_torchdynamo_inline" not in vars(todevice.move)  # functools.wraps would copy it onto a wrapper
 
 
 # ---------------------------------------------------------------- graph breaks, and the default compile

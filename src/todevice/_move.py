@@ -479,9 +479,9 @@ def move(
             )  # fmt: skip
         opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
         return _into.into(obj, out, device, *opts)  # type: ignore[no-any-return]
-    if type(obj) is not _Tensor and _compiling():
-        # Under torch.compile, before anything else: where dynamo compiles this frame on its own (after
-        # a graph break in its caller), this is all it traces. See _traced.compiling.
+    if _compiling():
+        # Under torch.compile, before anything else: dynamo traces this call and then per-leaf copies, also where it
+        # compiles this frame on its own (after a graph break in its caller). See _traced.compiling.
         return _traced.compiled(obj, device, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=skip_keys)  # type: ignore[no-any-return]
     try:
         p = _plans[type(device), device, non_blocking, dtype]
@@ -498,8 +498,6 @@ def move(
             out = _flat(obj, p, coalesce)
             if out is not None:
                 return out
-    elif type(obj) is _Tensor and _compiling():  # a bare tensor with stream= or strict=
-        return _traced.compiled(obj, p.dev, non_blocking=non_blocking, dtype=dtype, strict=strict)  # type: ignore[no-any-return]
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
@@ -510,11 +508,6 @@ def move(
         _stream.hand_over(stream, user, s.outputs())
     s.finish()
     return out
-
-
-# Where dynamo would inline move(), it inlines this instead (the attribute torch sets on its own
-# compiled and scripted functions): per-leaf copies it traces, at no cost to eager calls.
-move._torchdynamo_inline = _traced.compiled  # type: ignore[attr-defined]
 
 
 def _flat(obj: Any, p: Plan, coalesce: bool | None, s: State | None = None) -> Any:
