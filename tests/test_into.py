@@ -431,3 +431,15 @@ def test_a_target_freed_and_its_id_taken_by_another_tensor_is_verified_by_its_me
         todevice.move(b, out=static)
         assert all(torch.equal(static[k], b[k]) for k in b)
         del static
+
+
+def test_skip_keys_never_hides_a_key_that_only_out_has() -> None:
+    static = {"x": torch.zeros(3), "y": torch.zeros(2)}
+    batch = {"x": torch.ones(3), "lengths": torch.tensor([3])}
+    with pytest.raises(ValueError, match=r"the batch has \[\] that out has not, and out has \['y'\]"):
+        todevice.move(batch, out=static, skip_keys="lengths")
+    assert torch.equal(static["x"], torch.zeros(3))  # nothing written
+    both = {"x": torch.zeros(3), "lengths": torch.tensor([0])}
+    assert todevice.move(batch, out=both, skip_keys="lengths") is both
+    assert torch.equal(both["x"], torch.ones(3)) and both["lengths"].item() == 0  # skipped: left as out holds it
+    assert todevice.move(batch, out={"x": both["x"]}, skip_keys="lengths")["x"] is both["x"]  # on one side only

@@ -231,8 +231,8 @@ def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torc
 def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
     tp = type(a)
     if tp is dict and type(b) is dict:  # the common case, inline: pairs by key, in the batch's order
-        if len(a) != len(b) and (not skip or a.keys() - skip != b.keys() - skip):
-            raise _Mismatch(_keys_differ(a, b))
+        if (len(a) != len(b) or skip) and a.keys() - skip != b.keys() - skip:  # skipped keys need not be on both sides
+            raise _Mismatch(_keys_differ(a, b, skip))
         for k, v in a.items():
             if k in skip:
                 continue
@@ -242,7 +242,7 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
                 found.append(w)
                 continue
             if w is _MISSING:
-                raise _Mismatch(_keys_differ(a, b))
+                raise _Mismatch(_keys_differ(a, b, skip))
             try:
                 _pair(v, w, found, skip)
             except _Mismatch as m:
@@ -276,9 +276,9 @@ def _code(x: Any) -> int:
     return _tree.kind_of(type(x)).code
 
 
-def _keys_differ(a: Any, b: Any) -> str:
-    missing = [k for k in a if k not in b]
-    extra = [k for k in b if k not in a]
+def _keys_differ(a: Any, b: Any, skip: frozenset[Any] = frozenset()) -> str:
+    missing = [k for k in a if k not in b and k not in skip]
+    extra = [k for k in b if k not in a and k not in skip]
     return f"the keys differ: the batch has {missing} that out has not, and out has {extra} that the batch has not."
 
 
