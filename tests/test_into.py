@@ -443,3 +443,44 @@ def test_skip_keys_never_hides_a_key_that_only_out_has() -> None:
     assert todevice.move(batch, out=both, skip_keys="lengths") is both
     assert torch.equal(both["x"], torch.ones(3)) and both["lengths"].item() == 0  # skipped: left as out holds it
     assert todevice.move(batch, out={"x": both["x"]}, skip_keys="lengths")["x"] is both["x"]  # on one side only
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "one-buffer"])
+def test_a_swap_and_a_rolling_buffer_copy_as_if_every_source_were_read_first(packed: bool) -> None:
+    def static_of(*values: float) -> list[torch.Tensor]:
+        if packed:  # views of one buffer, as a coalesced move lays them out
+            lay = _layout.layout_for([torch.zeros(4)] * len(values), None)
+            views = _layout.read(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)
+        else:
+            views = [torch.zeros(4) for _ in values]
+        for v, x in zip(views, values):
+            v.fill_(x)
+        return views
+
+    x, y = static_of(1.0, 2.0)
+    todevice.move({"a": y, "b": x}, out={"a": x, "b": y})  # a swap
+    assert x.tolist() == [2.0] * 4 and y.tolist() == [1.0] * 4
+    h0, h1, h2 = static_of(0.0, 1.0, 2.0)
+    new = torch.full((4,), 3.0)
+    todevice.move([h1, h2, new], out=[h0, h1, h2])  # a rolling history: each slot takes the next one's values
+    assert [h.tolist()[0] for h in (h0, h1, h2)] == [1.0, 2.0, 3.0]
+
+
+def test_a_source_over_part_of_its_own_target_is_read_first() -> None:
+    w = torch.arange(8.0)
+    todevice.move({"a": w[1:5]}, out={"a": w[0:4]})
+    assert w.tolist() == [1.0, 2.0, 3.0, 4.0, 4.0, 5.0, 6.0, 7.0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda buf: (buf[0:4], buf[2:6]), lambda buf: (buf[0:8].view(2, 4), buf[4:8])],
+    ids=["slices", "tensor-and-row"],
+)
+def test_targets_that_share_memory_are_refused_before_anything_is_written(make: Any) -> None:
+    buf = torch.zeros(8)
+    first, second = make(buf)
+    batch = {"p": torch.ones_like(first), "q": torch.full_like(second, 2.0)}
+    with pytest.raises(ValueError, match=r"at \['q'\], out's tensor shares memory with the one at \['p'\]"):
+        todevice.move(batch, out={"p": first, "q": second})
+    assert buf.tolist() == [0.0] * 8

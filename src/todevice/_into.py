@@ -11,6 +11,7 @@ into it with one copy; otherwise each goes with a copy of its own.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from collections.abc import Collection
@@ -67,6 +68,7 @@ def into(
     if dtype is None and coalesce is not False and _again(sources, targets, dev, non_blocking, max_bytes):
         return out
     read = _check(sources, targets, out, dev, dtype)
+    sources = _read_first(sources, targets, read, out)
     with torch.no_grad():
         _copy(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
     if dtype is None and coalesce is not False:
@@ -154,6 +156,9 @@ def _again(
         span = first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), found.base)
         with torch.no_grad():
             if first.is_cpu:
+                lo, hi = span.data_ptr(), span.data_ptr() + lay.nbytes
+                if any(lo < p + _extent(t) and p < hi for t, p in zip(sources, map(_data_ptr, sources))):
+                    return False  # a source in the targets' memory: the full path reads it first
                 _layout.write(span, lay, sources)  # each target's bytes only
                 return True
             staging = _stream.pinned(lay.nbytes, torch.uint8, found.device) if non_blocking else None
@@ -191,6 +196,59 @@ def _unchanged(
         or any(layout is not torch.strided for layout in set(map(_layout_of, sources)))
         or (torch.is_grad_enabled() and any(map(_grad, sources)))
     )
+
+
+# ---------------------------------------------------------------- memory shared between the two sides
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to the end of its last one."""
+    if t.is_contiguous():
+        return int(t.nbytes)
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)) * t.element_size()
+
+
+def _spans(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(start, end, index) of each distinct tensor with memory, by address: meta and empty tensors have none."""
+    seen: set[int] = set()
+    out = []
+    for i, (t, ptr) in enumerate(zip(tensors, map(_data_ptr, tensors))):
+        if ptr and id(t) not in seen:
+            seen.add(id(t))
+            end = ptr + _extent(t)
+            if end > ptr:
+                out.append((ptr, end, i))
+    out.sort()
+    return out
+
+
+def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
+    """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
+    read before anything is written (a swap, a rolling buffer); ValueError, naming both paths, where two targets
+    share memory, since one would be written over the other."""
+    spans = _spans(targets)
+    reach, widest = -1, -1
+    for start, end, i in spans:
+        if start < reach:
+            here, there = (_walk.format_path(_walk.find_path(out, targets[k]) or "") for k in (i, widest))
+            msg = (
+                f"Cannot copy into out: at {here}, out's tensor shares memory with the one at {there}, so one "
+                f"would be written over the other. Give each its own memory. Nothing was copied."
+            )
+            raise ValueError(msg)
+        if end > reach:
+            reach, widest = end, i
+    if not spans or (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
+        return sources
+    starts = [start for start, _, _ in spans]
+    fresh = list(sources)
+    for start, end, i in _spans(sources):
+        k = bisect.bisect_left(starts, end) - 1  # the last target starting before this source ends
+        if k >= 0 and spans[k][1] > start:
+            fresh[i] = sources[i].clone()
+    return fresh
 
 
 # ---------------------------------------------------------------- pairing the two structures
