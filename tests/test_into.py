@@ -484,3 +484,29 @@ def test_targets_that_share_memory_are_refused_before_anything_is_written(make: 
     with pytest.raises(ValueError, match=r"at \['q'\], out's tensor shares memory with the one at \['p'\]"):
         todevice.move(batch, out={"p": first, "q": second})
     assert buf.tolist() == [0.0] * 8
+
+
+class _Ghost(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A mapping whose iteration names a key it does not hold."""
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter([*self._items, "ghost"])
+
+    def __len__(self) -> int:
+        return len(self._items) + 1
+
+
+@pytest.mark.parametrize("options", [{"out": "static"}, {"strict": True}], ids=["out", "strict"])
+def test_a_container_that_cannot_list_its_items_fails_with_its_own_error_and_path(options: dict[str, Any]) -> None:
+    batch = {"ok": torch.ones(2), "m": [_Ghost({"x": torch.ones(2)})]}
+    static = {"ok": torch.zeros(2), "m": [_Ghost({"x": torch.zeros(2)})]}
+    kwargs = {"out": static} if "out" in options else {"strict": True}
+    with pytest.raises(KeyError, match=r"\['m'\]\[0\] \(_Ghost\).*'ghost'"):
+        todevice.move(batch, "cpu" if "strict" in kwargs else None, **kwargs)
+    assert torch.equal(static["ok"], torch.zeros(2))  # nothing written

@@ -283,6 +283,8 @@ def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torc
     except RecursionError:
         msg = "Cannot copy into out: the batch is nested deeper than Python's recursion limit, or contains itself."
         raise ValueError(msg) from None
+    except _walk.LeafError as failure:  # a container that cannot list what it holds, on either side
+        _walk.explain(failure, batch, None, verb="copy into out:", also=out, skip=skip)
     return found
 
 

@@ -259,7 +259,12 @@ def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()
         on_path[i] = path
         stack.append((path, node, True))
         assert kind.flatten is not None and kind.entry is not None
-        children, aux = kind.flatten(node)
+        try:
+            children, aux = kind.flatten(node)
+        except RecursionError:
+            raise
+        except Exception as err:  # a mapping whose keys fail, a registered flatten that raises: the same error, placed
+            raise_with_message(err, f"Cannot list what {format_path(path)} ({describe(node)}) holds: {err}")
         keys = kind.keys(aux) if skip and kind.keys is not None else None
         for j in range(len(children) - 1, -1, -1):
             if keys is None or keys[j] not in skip:
@@ -272,7 +277,9 @@ def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str 
         for path, node in paths(obj, skip=skip):
             if node is target:
                 return path
-    except CycleError:
+    except (CycleError, RecursionError):
+        pass
+    except Exception:  # a container that cannot list what it holds, past the target if it was there: not found
         pass
     return None
 
