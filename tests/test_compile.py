@@ -493,3 +493,13 @@ def test_the_traced_walk_gives_what_the_eager_move_gives(name: str, target: str)
         out = _traced.compiled(obj, device, dtype=dtype)
         expected = todevice.move(obj, device, dtype=dtype, coalesce=False)
     helpers.assert_same_tree(out, expected, values=device != "meta")
+
+
+def test_dtype_reaches_a_packed_sequence_under_compile_as_in_eager_code() -> None:
+    from torch.nn.utils.rnn import pack_sequence
+
+    batch = {"f": pack_sequence([torch.ones(3), torch.ones(2)]), "i": pack_sequence([torch.arange(3), torch.arange(2)])}
+    got = compiled(lambda b: todevice.move(b, "cpu", dtype=torch.float16), "eager")(batch)
+    want = todevice.move(batch, "cpu", dtype=torch.float16)
+    assert got["f"].data.dtype == want["f"].data.dtype == torch.float16
+    assert got["i"].data.dtype == want["i"].data.dtype == torch.int64

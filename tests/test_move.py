@@ -952,3 +952,40 @@ def test_classes_made_per_batch_are_not_kept_forever() -> None:
         del cls
     gc.collect()
     assert sum(r() is not None for r in refs) <= 4096
+
+
+class _DeviceOnly(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A tokenizer-output-like mapping whose .to() takes a device and non_blocking only."""
+
+    def __init__(self, items: dict[str, torch.Tensor]) -> None:
+        self.data = dict(items)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.data[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def to(self, device: Any, *, non_blocking: bool = False) -> _DeviceOnly:
+        return _DeviceOnly({k: v.to(device, non_blocking=non_blocking) for k, v in self.data.items()})
+
+
+def test_dtype_reaches_objects_with_their_own_to_and_is_never_dropped() -> None:
+    from torch.nn.utils.rnn import pack_sequence
+
+    floats = pack_sequence([torch.ones(3), torch.ones(2)])
+    got = todevice.move({"seq": floats}, "cpu", dtype=torch.float16)["seq"]
+    assert got.data.dtype == torch.float16 and torch.equal(got.batch_sizes, floats.batch_sizes)
+    ids = pack_sequence([torch.arange(3), torch.arange(2)])
+    assert todevice.move(ids, "meta", dtype=torch.float16).data.dtype == torch.int64  # integers keep theirs
+    tokens = _DeviceOnly({"input_ids": torch.arange(4), "attention_mask": torch.ones(4, dtype=torch.long)})
+    assert todevice.move({"t": tokens}, "meta", dtype=torch.float16)["t"]["input_ids"].is_meta  # nothing to cast
+    mask = _DeviceOnly({"input_ids": torch.arange(4), "mask": torch.ones(4)})
+    with pytest.raises(
+        TypeError, match=r"Cannot move \['b'\]\[0\] \(_DeviceOnly\) to meta: its .to\(\) takes no dtype"
+    ):
+        todevice.move({"b": [mask]}, "meta", dtype=torch.float16)
+    assert todevice.move({"b": [mask]}, "meta")["b"][0]["mask"].dtype == torch.float32  # without dtype=, as before

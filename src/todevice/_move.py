@@ -382,7 +382,7 @@ def _to_object(obj: Any, s: State) -> Any:
     if streams is not None:
         _stream.set_stream(streams[0])
     try:
-        out = _walk.to_object(obj, p.dev, p.non_blocking and p.dev.type != "mps")
+        out = _walk.to_object(obj, p.dev, p.non_blocking and p.dev.type != "mps", p.dtype)
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])

@@ -222,8 +222,8 @@ def _moved(x: Any, h: _How) -> Any:
     rule = _rule(tp)
     if rule == _KEEP:
         return x
-    if rule in (_TO, _TO_NB):
-        return _to_object(x, h, rule == _TO_NB)
+    if rule & ~_TAKES_DTYPE in (_TO, _TO_NB):
+        return _to_object(x, h, rule & ~_TAKES_DTYPE == _TO_NB, bool(rule & _TAKES_DTYPE))
     if rule == _PACKED:
         out = h.memo.get(id(x))
         if out is None:
@@ -257,6 +257,7 @@ def _moved(x: Any, h: _How) -> Any:
 
 # How _moved takes an object of a type it does not test for itself: what ``_rule`` says.
 _KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _NAMEDTUPLE, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE = range(10)
+_TAKES_DTYPE = 16  # or'ed into _TO and _TO_NB where the type's .to() takes dtype=
 
 
 def _rule(tp: type) -> int:
@@ -276,7 +277,8 @@ def _rule(tp: type) -> int:
     if code == _tree.OWN:  # a PackedBatch
         return _PACKED
     if code == _tree.TO:
-        return _TO_NB if _tree.accepts_non_blocking(tp) else _TO
+        rule = _TO_NB if _tree.to_takes(tp, "non_blocking") else _TO
+        return rule | _TAKES_DTYPE if _tree.to_takes(tp, "dtype") else rule
     if code == _tree.NODE:
         if issubclass(tp, tuple) and hasattr(tp, "_fields"):
             return _NAMEDTUPLE
@@ -329,8 +331,10 @@ def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
     return kind.unflatten(aux, done)  # type: ignore[misc]
 
 
-def _to_object(x: Any, h: _How, non_blocking: bool) -> Any:
+def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     """An object with its own ``.to()``: moved by it, on a shallow copy, as the eager move does.
+
+    ``dtype=`` reaches a ``.to()`` that takes it; a PackedSequence's, where its data is floating-point.
 
     Several popular ones (a tokenizer's BatchEncoding, PyG's Data) move their contents in place and
     return self, which would mutate the input; a PackedSequence's ``.to()`` makes a new one. One that
@@ -347,7 +351,11 @@ def _to_object(x: Any, h: _How, non_blocking: bool) -> Any:
             target = copy.copy(x)
         except Exception:  # not copyable: its own .to() is all there is, as in the eager move
             target = x
-    out = target.to(h.dev, non_blocking=h.nb) if non_blocking else target.to(h.dev)
+    casts: dict[str, torch.dtype] = {}
+    floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or x.data.is_floating_point()
+    if h.dtype is not None and takes_dtype and floating:
+        casts["dtype"] = h.dtype
+    out = target.to(h.dev, non_blocking=h.nb, **casts) if non_blocking else target.to(h.dev, **casts)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
     h.memo[id(x)] = out

@@ -616,13 +616,13 @@ def _has_to(tp: type) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def accepts_non_blocking(tp: type) -> bool:
-    """Whether ``tp.to`` takes ``non_blocking``, by its signature; True where it has none (a C method)."""
+def to_takes(tp: type, name: str) -> bool:
+    """Whether ``tp.to`` takes the keyword ``name``, by its signature; True where it has none (a C method)."""
     try:
         params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
     except (TypeError, ValueError):
         return True
-    return any(p.name == "non_blocking" or p.kind is p.VAR_KEYWORD for p in params)
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _classify(tp: type) -> Kind:

@@ -355,9 +355,24 @@ def inside(obj: Any) -> Iterator[tuple[str, Any]]:
 _PURE_TO: frozenset[type] = frozenset({torch.nn.utils.rnn.PackedSequence})
 
 
-def to_object(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
-    """``obj`` moved by its own ``.to()``, on a shallow copy where it can be copied; raises ``LeafError``."""
+def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
+    """``obj`` moved by its own ``.to()``, on a shallow copy where it can be copied; raises ``LeafError``.
+
+    With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as its fields, items and
+    attributes show), its ``.to()`` gets ``dtype=`` too, as ``nn.Module.to`` does; one whose ``.to()`` takes no
+    dtype raises a TypeError rather than leave them uncast. One that holds none is moved without it, so its
+    integer tensors keep their dtype whatever its ``.to()`` would do with one.
+    """
     tp = type(obj)
+    casts: dict[str, torch.dtype] = {}
+    if dtype is not None and _holds_floating(obj):
+        if not _tree.to_takes(tp, "dtype"):  # type: ignore[arg-type]  # types hash
+            msg = (
+                f"its .to() takes no dtype, and it holds floating-point tensors that dtype={dtype} would cast. "
+                f"Cast them yourself, or move it without dtype= (skip_keys can leave it out)."
+            )
+            raise LeafError(obj, TypeError(msg))
+        casts["dtype"] = dtype
     try:
         target = obj if tp in _PURE_TO else copy.copy(obj)
     except RecursionError:
@@ -365,20 +380,31 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool) -> Any:
     except Exception:
         target = obj  # not copyable: its own .to() is all there is
     try:
-        if _tree.accepts_non_blocking(tp):  # type: ignore[arg-type]  # types hash
+        if _tree.to_takes(tp, "non_blocking"):  # type: ignore[arg-type]  # types hash
             try:
-                out = target.to(dev, non_blocking=non_blocking)
+                out = target.to(dev, non_blocking=non_blocking, **casts)
             except TypeError as err:
                 if "non_blocking" not in str(err):
                     raise
-                out = target.to(dev)
+                out = target.to(dev, **casts)
         else:
-            out = target.to(dev)
+            out = target.to(dev, **casts)
     except RecursionError:
         raise
     except Exception as err:
         raise LeafError(obj, err) from err
     return target if out is None else out  # a .to() that moves the object in place and returns nothing
+
+
+def _holds_floating(obj: Any) -> bool:
+    """Whether an object with ``.to()`` holds a floating-point or complex tensor, as far as ``inside`` shows."""
+    try:
+        for _, node in paths([value for _, value in inside(obj)]):
+            if isinstance(node, torch.Tensor) and (node.is_floating_point() or node.is_complex()):
+                return True
+    except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide
+        return True
+    return False
 
 
 def devices_held(obj: Any, depth: int = 3) -> set[torch.device]:
