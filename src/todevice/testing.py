@@ -681,6 +681,8 @@ def _span(t: torch.Tensor) -> tuple[Any, int, int] | None:
             start = int(t.storage_offset()) * size
             return ("meta", t.untyped_storage()._cdata), start, start + extent
         start = t.data_ptr()
+        if not start:  # a device whose tensors report no address: unknown, as the address check reads it
+            return None
         return (t.device,), start, start + extent
     except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses, nested tensors
         return None
