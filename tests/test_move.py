@@ -989,3 +989,12 @@ def test_dtype_reaches_objects_with_their_own_to_and_is_never_dropped() -> None:
     ):
         todevice.move({"b": [mask]}, "meta", dtype=torch.float16)
     assert todevice.move({"b": [mask]}, "meta")["b"][0]["mask"].dtype == torch.float32  # without dtype=, as before
+
+
+def test_device_may_be_passed_by_keyword_as_to_takes_it() -> None:
+    batch = {"x": torch.ones(2), "y": [torch.zeros(1)]}
+    out = todevice.move(batch, device="meta")
+    assert out["x"].is_meta and out["y"][0].is_meta
+    assert todevice.move(batch["x"], device="meta", dtype=torch.float16).dtype == torch.float16
+    with pytest.raises(TypeError):
+        todevice.move(obj=batch, device="meta")  # type: ignore[call-arg]  # the batch stays positional

@@ -394,8 +394,8 @@ def _to_object(obj: Any, s: State) -> Any:
 
 def move(
     obj: T,
-    device: DeviceLike | None = None,
     /,
+    device: DeviceLike | None = None,
     *,
     non_blocking: bool = True,
     dtype: torch.dtype | None = None,

@@ -77,8 +77,8 @@ compiling._torchdynamo_inline = _traced_compiling  # type: ignore[attr-defined]
 
 def compiled(
     obj: Any,
-    device: Any = None,
     /,
+    device: Any = None,
     *,
     non_blocking: bool = True,
     dtype: torch.dtype | None = None,
