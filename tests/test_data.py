@@ -358,3 +358,14 @@ def test_a_break_closes_a_generator_source_without_streams_too() -> None:
         if batch["i"].shape == (1,):
             break
     assert closed == [True]
+
+
+def test_collate_without_parentheses_or_with_bad_arguments_fails_at_once_with_a_hint() -> None:
+    loader = torch.utils.data.DataLoader([{"x": torch.ones(2)}] * 4, batch_size=2, collate_fn=todevice.collate)
+    with pytest.raises(TypeError, match=r"collate_fn=todevice.collate\(\), with the parentheses"):
+        next(iter(loader))
+    with pytest.raises(TypeError, match="collate_fn is not callable"):
+        todevice.collate("not callable")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Cannot move to device 'gpu'"):
+        todevice.collate(device="gpu")
+    assert todevice.collate(device="cpu").device == "cpu"

@@ -66,6 +66,18 @@ class collate:  # named like a function: it stands where a collate_fn goes
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None = None, *, device: DeviceLike | None = None):
+        fn: Any = collate_fn  # anything, at run time: a DataLoader passes samples to collate_fn=todevice.collate
+        if fn is not None and not callable(fn):
+            hint = (
+                " That looks like a batch of samples: a DataLoader called todevice.collate itself. Pass "
+                "collate_fn=todevice.collate(), with the parentheses."
+                if isinstance(fn, (list, tuple))
+                else " Pass a function that collates a list of samples, or None for torch's default_collate."
+            )
+            msg = f"Cannot make todevice.collate(collate_fn={_short(fn)}): collate_fn is not callable.{hint}"
+            raise TypeError(msg)
+        if device is not None:
+            _stream.resolve_device(device)  # a bad device fails here, not later inside a worker
         self.collate_fn = collate_fn
         self.device = device
 
@@ -85,6 +97,11 @@ class collate:  # named like a function: it stands where a collate_fn goes
         if self.device is not None:
             return _move.move(batch, self.device)
         return batch
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a loop header
