@@ -998,3 +998,51 @@ def test_device_may_be_passed_by_keyword_as_to_takes_it() -> None:
     assert todevice.move(batch["x"], device="meta", dtype=torch.float16).dtype == torch.float16
     with pytest.raises(TypeError):
         todevice.move(obj=batch, device="meta")  # type: ignore[call-arg]  # the batch stays positional
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: todevice.move({"x": torch.ones(1)}, "meta", non_blocking="yes"), TypeError, r"non_blocking='yes'"),
+        (lambda: todevice.move({"x": torch.ones(1)}, "meta", coalesce="auto"), TypeError, r"coalesce='auto'"),
+        (
+            lambda: todevice.move({"x": torch.ones(1)}, out={"x": torch.zeros(1)}, coalesce="auto"),
+            TypeError,
+            "coalesce",
+        ),
+        (
+            lambda: todevice.move({"x": torch.ones(1)}, "meta", stream=object()),
+            TypeError,
+            r"stream takes a torch.Stream",
+        ),
+        (lambda: todevice.prefetch([], "meta", depth=1.5), TypeError, r"depth=1.5"),  # type: ignore[arg-type]
+        (lambda: todevice.prefetch([], "meta", non_blocking="no"), TypeError, "non_blocking"),  # type: ignore[arg-type]
+        (lambda: todevice.audit({"w": torch.ones(1)}), TypeError, r"audit\(\) takes an nn.Module"),  # type: ignore[arg-type]
+        (lambda: todevice.guard({"w": torch.ones(1)}), TypeError, r"guard\(\) takes an nn.Module"),  # type: ignore[arg-type]
+        (lambda: todevice.check(torch.ones(1), device="gpu"), ValueError, r"Cannot check against device 'gpu'"),
+    ],
+    ids=[
+        "non_blocking",
+        "coalesce",
+        "out-coalesce",
+        "stream",
+        "depth",
+        "prefetch-non_blocking",
+        "audit",
+        "guard",
+        "check",
+    ],
+)
+def test_bad_option_values_raise_at_once_naming_the_option(call: Any, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_skip_keys_takes_any_dict_key() -> None:
+    batch = {0: torch.ones(1), 1: torch.ones(1), "x": torch.ones(1)}
+    out = todevice.move(batch, "meta", skip_keys=0)
+    assert out[0] is batch[0] and out[1].is_meta
+    out = todevice.move(batch, "meta", skip_keys=[0, "x"])
+    assert out[0] is batch[0] and out["x"] is batch["x"] and out[1].is_meta
+    with pytest.raises(TypeError, match="keys must be hashable"):
+        todevice.move(batch, "meta", skip_keys=[["unhashable"]])

@@ -445,7 +445,7 @@ def test_skip_keys_items_must_be_the_very_same_objects() -> None:
     with pytest.raises(AssertionError, match=re.escape("At ['lengths']: expected a tensor on meta")):
         assert_moved(todevice.move(b, "meta", skip_keys="lengths"), b, "meta")
     with pytest.raises(TypeError, match="skip_keys"):
-        assert_moved(b, b, "meta", skip_keys=3)  # type: ignore[arg-type]
+        assert_moved(b, b, "meta", skip_keys=[["lengths"]])
     packed = {"p": todevice.pack(b)}  # a packed batch fills skipped items from its own buffer
     assert_moved(todevice.move(packed, "meta", skip_keys="lengths"), packed, "meta", skip_keys="lengths")
 
@@ -595,3 +595,8 @@ def test_compare_refuses_a_device_not_here_up_front() -> None:
     with pytest.raises(ValueError, match="cuda"):
         compare(lambda b, d: calls.append(b), device="cuda")
     assert not calls
+
+
+def test_compare_refuses_a_helper_that_is_not_callable_before_any_search() -> None:
+    with pytest.raises(TypeError, match="compare\\(\\) takes your helper"):
+        compare("not a function")  # type: ignore[arg-type]

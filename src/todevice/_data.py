@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -141,11 +141,15 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         *,
         depth: int = 2,
         non_blocking: bool = True,
-        skip_keys: str | Collection[str] | None = None,
+        skip_keys: Hashable | Collection[Hashable] | None = None,
     ):
+        if type(depth) is not int:
+            msg = f"Cannot prefetch with depth={depth!r}: depth counts the batches in flight, an int of 1 or more."
+            raise TypeError(msg)
         if depth < 1:
             msg = f"Cannot prefetch with depth={depth}: depth counts the batches in flight and must be 1 or more."
             raise ValueError(msg)
+        _options.check_bool(non_blocking, "non_blocking")
         self.iterable = iterable
         self.device = _stream.resolve_device(device)
         self.depth = depth

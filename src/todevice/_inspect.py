@@ -110,7 +110,7 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
 
     .. versionadded:: 0.1.0
     """
-    want = _stream.resolve_device(device) if device is not None else None
+    want = _stream.checked_device(device, "check against") if device is not None else None
     if want is not None and want.type == "cpu":
         want = torch.device("cpu")  # tensors say "cpu", never "cpu:0"
     by_device: dict[torch.device, list[str]] = {}
@@ -165,6 +165,15 @@ class Finding:
 _PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
+def _need_module(module: Any, name: str) -> None:
+    if not isinstance(module, nn.Module):
+        msg = (
+            f"Cannot {name} a {type(module).__qualname__}: {name}() takes an nn.Module, the model. For a batch, "
+            f"use todevice.check(batch) or todevice.devices(batch)."
+        )
+        raise TypeError(msg)
+
+
 def audit(module: nn.Module, /) -> list[Finding]:
     """What in ``module`` ``Module.to()`` will not move, and parameters split across devices.
 
@@ -187,6 +196,7 @@ def audit(module: nn.Module, /) -> list[Finding]:
 
     .. versionadded:: 0.1.0
     """
+    _need_module(module, "audit")
     registered = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     findings: list[Finding] = []
     for name, sub in module.named_modules():
@@ -293,6 +303,7 @@ class guard:  # named like a function: it is called, and used as a context manag
     """
 
     def __init__(self, module: nn.Module, /, *, ignore: Iterable[str] = ()) -> None:
+        _need_module(module, "guard")
         self.module = module
         names = (ignore,) if isinstance(ignore, str) else tuple(ignore)  # read once: it may be a generator
         self.ignore = frozenset(names) | frozenset(f"kwargs[{name!r}]" for name in names)

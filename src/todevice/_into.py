@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import functools
 import operator
-from collections.abc import Collection
+from collections.abc import Collection, Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -43,10 +43,12 @@ def into(
     max_bytes: int,
     stream: Any,
     strict: bool,
-    skip_keys: str | Collection[str] | None,
+    skip_keys: Hashable | Collection[Hashable] | None,
 ) -> Any:
     """``move(batch, device, out=out, ...)``: ``out`` itself, its tensors holding ``batch``'s values."""
     dev = None if device is None else _stream.resolve_device(device)
+    _options.check_bool(non_blocking, "non_blocking")
+    _options.check_coalesce(coalesce)
     if dtype is not None:
         _options.check_dtype(dtype)
     _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -159,6 +159,7 @@ _plans: dict[tuple[Any, ...], Plan] = {}
 def _plan_for(device: Any, non_blocking: bool, dtype: Any) -> Plan:
     """The plan for move()'s arguments, or the error they deserve; kept by the arguments themselves."""
     dev = _stream.resolve_device(device)
+    _options.check_bool(non_blocking, "non_blocking")
     if dtype is not None:
         _options.check_dtype(dtype)
     p = plan(dev, non_blocking, dtype)
@@ -403,7 +404,7 @@ def move(
     coalesce_max_bytes: int = COALESCE_MAX_BYTES,
     stream: torch.Stream | None = None,
     strict: bool = False,
-    skip_keys: str | Collection[str] | None = None,
+    skip_keys: Hashable | Collection[Hashable] | None = None,
     out: T | None = None,
 ) -> T:
     """Move every tensor in a nested structure to ``device``; containers and other values are kept.
@@ -489,6 +490,8 @@ def move(
         p = _plan_for(device, non_blocking, dtype)
     if skip_keys is not None or coalesce_max_bytes is not COALESCE_MAX_BYTES:
         p = _with_options(p, skip_keys, coalesce_max_bytes)
+    if coalesce is not None:
+        _options.check_coalesce(coalesce)
     if stream is None and not strict:
         if type(obj) is _Tensor:  # a bare tensor: nothing to walk, alias or coalesce
             return p.one(obj)  # type: ignore[arg-type,return-value]
@@ -504,6 +507,7 @@ def move(
     if stream is None:
         out = _batch(obj, s, coalesce, coalesce_max_bytes)
     else:
+        _stream.check_stream(stream)
         out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
         _stream.hand_over(stream, user, s.outputs())
     s.finish()

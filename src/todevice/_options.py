@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any
 
 import torch
@@ -44,17 +45,30 @@ def check_max_bytes(value: Any, what: str) -> None:
     raise error(msg)
 
 
-def skip_set(skip_keys: Any) -> frozenset[str]:
-    if isinstance(skip_keys, str):
-        return frozenset((skip_keys,))
+def skip_set(skip_keys: Any) -> frozenset[Any]:
+    """The keys to skip: one key (a str, an int, any hashable value that is not a collection), or a collection."""
     try:
-        keys = frozenset(skip_keys)
+        if isinstance(skip_keys, (str, bytes)) or not isinstance(skip_keys, collections.abc.Iterable):
+            return frozenset((skip_keys,))
+        return frozenset(skip_keys)
     except TypeError:
-        keys = None
-    if keys is None or not all(isinstance(k, str) for k in keys):
         msg = (
-            f"Cannot skip keys {skip_keys!r}: skip_keys takes a str or a collection of str, the dict keys "
-            f"whose entries stay where they are, such as skip_keys=['lengths']."
+            f"Cannot skip keys {skip_keys!r}: skip_keys takes a dict key or a collection of them, the keys "
+            f"whose entries stay where they are, such as skip_keys=['lengths']; keys must be hashable."
+        )
+        raise TypeError(msg) from None
+
+
+def check_bool(value: Any, name: str) -> None:
+    """A TypeError naming ``name`` unless ``value`` is True or False."""
+    if value is not True and value is not False:
+        msg = f"Cannot move with {name}={value!r}: {name} takes True or False."
+        raise TypeError(msg)
+
+
+def check_coalesce(value: Any) -> None:
+    if value is not None and value is not True and value is not False:
+        msg = (
+            f"Cannot move with coalesce={value!r}: coalesce takes None (the default: decided per batch), True or False."
         )
         raise TypeError(msg)
-    return keys

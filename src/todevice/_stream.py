@@ -38,30 +38,30 @@ def available_devices() -> list[str]:
     return found
 
 
-def _invalid(device: object, why: str) -> ValueError:
-    msg = f"Cannot move to device {device!r}: {why} Devices here: {', '.join(available_devices())}."
+def _invalid(device: object, why: str, verb: str = "move to") -> ValueError:
+    msg = f"Cannot {verb} device {device!r}: {why} Devices here: {', '.join(available_devices())}."
     return ValueError(msg)
 
 
-def _check(device: object) -> torch.device:
+def _check(device: object, verb: str = "move to") -> torch.device:
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         msg = (
-            f"Cannot move to device {device!r}: expected a str, an int or a torch.device, "
+            f"Cannot {verb} device {device!r}: expected a str, an int or a torch.device, "
             f"got {type(device).__qualname__}. Pass e.g. 'cuda', 'cuda:1', 0 or torch.device('cpu')."
         )
         raise TypeError(msg)
     if isinstance(device, int):
         if device < 0:
-            raise _invalid(device, "a device index cannot be negative.")
+            raise _invalid(device, "a device index cannot be negative.", verb)
         acc = accelerator()
         if acc is None:
-            raise _invalid(device, "an integer names an accelerator, and this machine has none.")
+            raise _invalid(device, "an integer names an accelerator, and this machine has none.", verb)
         dev = torch.device(acc.type, device)
     elif isinstance(device, str):
         try:
             dev = torch.device(device)
         except RuntimeError as err:
-            raise _invalid(device, "PyTorch does not know this device string.") from err
+            raise _invalid(device, "PyTorch does not know this device string.", verb) from err
     else:
         dev = device
     if dev.type in HOST_TYPES:
@@ -73,14 +73,14 @@ def _check(device: object) -> torch.device:
         try:
             torch.empty(0, device=dev)
         except Exception as err:
-            raise _invalid(device, f"no {dev.type} backend answers here ({type(err).__name__}).") from err
+            raise _invalid(device, f"no {dev.type} backend answers here ({type(err).__name__}).", verb) from err
         return dev
     is_available = getattr(mod, "is_available", None)
     if callable(is_available) and not is_available():
-        raise _invalid(device, f"{dev.type} is not available on this machine.")
+        raise _invalid(device, f"{dev.type} is not available on this machine.", verb)
     device_count = getattr(mod, "device_count", None)
     if dev.index is not None and callable(device_count) and dev.index >= device_count():
-        raise _invalid(device, f"there are {device_count()} {dev.type} devices here.")
+        raise _invalid(device, f"there are {device_count()} {dev.type} devices here.", verb)
     return dev
 
 
@@ -92,6 +92,15 @@ def current_index() -> int:
 def set_index(index: int) -> None:
     """Make device ``index`` of the accelerator current."""
     torch.accelerator.set_device_index(index)
+
+
+def checked_device(device: DeviceLike, verb: str) -> torch.device:
+    """``resolve_device``, its errors saying ``verb`` ("check against") where they say "move to"."""
+    try:
+        return resolve_device(device)
+    except (TypeError, ValueError):
+        _check(device, verb)  # raises the same error, with the verb
+        raise
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
@@ -186,6 +195,18 @@ class Entered(NamedTuple):
 
     user: torch.Stream
     device_index: int | None
+
+
+def check_stream(stream: Any) -> None:
+    """A TypeError unless ``stream`` is a stream: a torch.Stream, or a backend's (torch.cuda.Stream)."""
+    if not isinstance(getattr(stream, "device", None), torch.device) or not callable(
+        getattr(stream, "synchronize", None)
+    ):
+        msg = (
+            f"Cannot move on stream={stream!r}: stream takes a torch.Stream (or torch.cuda.Stream) on the target "
+            f"device, such as torch.Stream(device='cuda'), or None."
+        )
+        raise TypeError(msg)
 
 
 def enter_stream(stream: torch.Stream, device: torch.device) -> Entered:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ def compiled(
     coalesce_max_bytes: int | None = None,
     stream: Any = None,
     strict: bool = False,
-    skip_keys: str | Collection[str] | None = None,
+    skip_keys: Hashable | Collection[Hashable] | None = None,
     out: Any = None,
 ) -> Any:
     """What dynamo traces in place of :func:`todevice.move`: its signature, and per-leaf copies.
@@ -135,7 +135,7 @@ def _non_blocking(non_blocking: bool, dev: torch.device) -> bool:
     return non_blocking and dev.type not in ("cpu", "mps")
 
 
-def _skip_set(skip_keys: str | Collection[str] | None) -> frozenset[str]:
+def _skip_set(skip_keys: Hashable | Collection[Hashable] | None) -> frozenset[Any]:
     return frozenset() if skip_keys is None else _options.skip_set(skip_keys)
 
 

@@ -37,7 +37,7 @@ import functools
 import reprlib
 import sys
 import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -1054,7 +1054,7 @@ def assert_moved(
     /,
     *,
     dtype: torch.dtype | None = None,
-    skip_keys: str | Collection[str] | None = None,
+    skip_keys: Hashable | Collection[Hashable] | None = None,
 ) -> None:
     """Check that ``result`` is ``source`` moved to ``device``, as ``todevice.move()`` promises.
 
@@ -1340,10 +1340,14 @@ def compare(
     Raises:
         ValueError: ``containers`` names an unknown kind, ``max_examples`` is below 1, or
             ``device`` is not a valid or available device (as :func:`todevice.move` says).
-        TypeError: ``device`` has the wrong type.
+        TypeError: ``helper`` is not callable, or ``device`` has the wrong type.
 
     .. versionadded:: 0.2.0
     """
+    fn: Any = helper  # anything, at run time
+    if not callable(fn):
+        msg = f"Cannot compare {fn!r}: compare() takes your helper, a function called as helper(batch, device)."
+        raise TypeError(msg)
     kinds = _check_kinds(containers)
     if max_examples < 1:
         msg = f"Expected max_examples of at least 1, got {max_examples!r}."
