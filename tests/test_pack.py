@@ -283,7 +283,7 @@ def test_a_missing_attribute_is_still_missing_to_hasattr_and_getattr() -> None:
     assert caught.value.name == "imgae" and caught.value.obj is packed  # what "Did you mean" reads
 
 
-@pytest.mark.parametrize("name", ["_fields", "_repr_html_", "__setstate__", "__len__", "__array__"])
+@pytest.mark.parametrize("name", ["_fields", "_repr_html_", "__setstate__", "__array__"])
 def test_private_and_dunder_names_raise_the_plain_attribute_error(name: str) -> None:
     """What protocols probe (pickle, IPython, namedtuple checks): Python's own error, nothing to explain."""
     packed = todevice.pack({"x": torch.ones(2)})
@@ -1202,3 +1202,16 @@ def test_a_mapping_is_rebuilt_from_its_tensors_never_from_the_packing_slots(how:
         assert all(inner[k].shape == (2, 3) for k in m)
         if not inner["k3"].is_meta:
             assert torch.equal(inner["k3"], m["k3"])
+
+
+def test_len_of_a_packed_batch_says_how_to_get_the_batch_and_it_stays_true() -> None:
+    packed = todevice.pack({"x": torch.ones(2), "y": [torch.zeros(1)]})
+    with pytest.raises(
+        todevice.errors.PackedBatchError, match=r"has no len\(\): this PackedBatch holds a dict.*unpack"
+    ):
+        len(packed)
+    assert packed  # truthy, as an object without len() is
+    with pytest.raises(TypeError, match="not subscriptable") as info:
+        packed["x"]
+    assert type(info.value).__module__ == "todevice.errors"  # no private name in the traceback
+    assert not hasattr(packed, "x")

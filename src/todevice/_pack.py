@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from todevice import _layout, _move, _options, _traced, _tree, _walk
+from todevice.errors import PackedBatchAttributeError, PackedBatchError
 
 _needs_grad = operator.attrgetter("requires_grad")
 
@@ -141,16 +142,22 @@ class PackedBatch:
     if not TYPE_CHECKING:
 
         def __getitem__(self, key):
-            raise _UnpackFirst(f"'PackedBatch' object is not subscriptable: {_unpack_first(self)}")
+            raise PackedBatchError(f"'PackedBatch' object is not subscriptable: {_unpack_first(self)}")
 
         def __iter__(self):
             # Also what `x, y = packed` reaches. Raising here, not leaving iteration to __getitem__,
             # keeps iter() refusing a PackedBatch at once, as it always did.
-            raise _UnpackFirst(f"'PackedBatch' object is not iterable: {_unpack_first(self)}")
+            raise PackedBatchError(f"'PackedBatch' object is not iterable: {_unpack_first(self)}")
+
+        def __len__(self):
+            raise PackedBatchError(f"object of type 'PackedBatch' has no len(): {_unpack_first(self)}")
+
+        def __bool__(self):  # a PackedBatch is a batch: true, as every object without len() is
+            return True
 
         def __contains__(self, item):
             # `in` would fall back to __iter__, but replaces a TypeError from it with its own message.
-            raise _UnpackFirst(f"'PackedBatch' object does not support 'in': {_unpack_first(self)}")
+            raise PackedBatchError(f"'PackedBatch' object does not support 'in': {_unpack_first(self)}")
 
         def __getattr__(self, name):
             # Only for names the instance and its class lack. Protocols probe private and dunder
@@ -160,7 +167,9 @@ class PackedBatch:
             if name.startswith("_"):
                 err = AttributeError(f"'PackedBatch' object has no attribute {name!r}")
             else:
-                err = _NoSuchAttribute(f"'PackedBatch' object has no attribute {name!r}: {_unpack_first(self)}")
+                err = PackedBatchAttributeError(
+                    f"'PackedBatch' object has no attribute {name!r}: {_unpack_first(self)}"
+                )
             err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
             raise err
 
@@ -226,19 +235,8 @@ class PackedBatch:
         return out
 
 
-class _UnpackFirst(TypeError):
-    """A PackedBatch used as the batch it holds: a TypeError, as Python raises for indexing what cannot be."""
-
-
-class _NoSuchAttribute(_UnpackFirst, AttributeError):
-    """An attribute of the batch read from the PackedBatch that holds it.
-
-    Also an AttributeError, so that it still reads as missing to hasattr() and getattr() with a default.
-    """
-
-
 def _unpack_first(packed: PackedBatch) -> str:
-    """What the batch is, and how to get it: the end of every _UnpackFirst message."""
+    """What the batch is, and how to get it: the end of every PackedBatchError message."""
     # Read from __dict__: __getattr__ may run on an instance that unpickling has not filled yet,
     # and reading a missing attribute here would call it again.
     skeleton = packed.__dict__.get("skeleton", _NOTHING)

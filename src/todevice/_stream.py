@@ -200,7 +200,7 @@ class Entered(NamedTuple):
 def check_stream(stream: Any) -> None:
     """A TypeError unless ``stream`` is a stream: a torch.Stream, or a backend's (torch.cuda.Stream)."""
     if not isinstance(getattr(stream, "device", None), torch.device) or not callable(
-        getattr(stream, "synchronize", None)
+        getattr(stream, "wait_stream", None)
     ):
         msg = (
             f"Cannot move on stream={stream!r}: stream takes a torch.Stream (or torch.cuda.Stream) on the target "

@@ -11,3 +11,20 @@ class DeviceMismatchError(RuntimeError):
 
     .. versionadded:: 0.1.0
     """
+
+
+class PackedBatchError(TypeError):
+    """A :class:`todevice.PackedBatch` used as the batch it holds: indexed, iterated, measured with ``len()``, or
+    tested with ``in``. The message says what the batch holds and how to get it back (``.unpack(device)``, or
+    iterating through :func:`todevice.prefetch`). A TypeError, as Python raises for indexing what cannot be.
+
+    .. versionadded:: 0.2.0
+    """
+
+
+class PackedBatchAttributeError(PackedBatchError, AttributeError):
+    """An attribute of the batch read from the :class:`todevice.PackedBatch` that holds it. Also an AttributeError,
+    so ``hasattr()`` and ``getattr(packed, name, default)`` read it as a missing attribute.
+
+    .. versionadded:: 0.2.0
+    """
