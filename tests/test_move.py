@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import sys
 from typing import Any, ClassVar
 
 import pytest
@@ -1046,3 +1047,26 @@ def test_skip_keys_takes_any_dict_key() -> None:
     assert out[0] is batch[0] and out["x"] is batch["x"] and out[1].is_meta
     with pytest.raises(TypeError, match="keys must be hashable"):
         todevice.move(batch, "meta", skip_keys=[["unhashable"]])
+
+
+def test_deep_nesting_looks_for_cycles_without_building_a_path_per_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each path is as long as the nesting is deep: building one per level made 100,000 levels quadratic."""
+    from todevice import _walk
+
+    deep: Any = torch.ones(1)
+    for _ in range(3 * sys.getrecursionlimit()):
+        deep = [deep]
+
+    def no_paths(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("paths() built for a structure with no cycle")
+
+    monkeypatch.setattr(_walk, "paths", no_paths)
+    for device in ("cpu", "meta"):
+        out = todevice.move(deep, device)
+        for _ in range(3 * sys.getrecursionlimit()):
+            out = out[0]
+        assert out.device.type == device
+    looped: list[Any] = [torch.ones(1)]
+    looped.append({"back": looped})
+    with pytest.raises(ValueError, match=r"the list at \['x'\] contains itself at \['x'\]\[1\]\['back'\]"):
+        todevice.move({"x": looped}, "meta")
