@@ -24,7 +24,7 @@ DTYPES = strategies.DTYPES
 
 T = TypeVar("T")
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="queues torch.cuda._sleep")
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def accelerator() -> torch.device:
