@@ -510,3 +510,17 @@ def test_a_container_that_cannot_list_its_items_fails_with_its_own_error_and_pat
     with pytest.raises(KeyError, match=r"\['m'\]\[0\] \(_Ghost\).*'ghost'"):
         todevice.move(batch, "cpu" if "strict" in kwargs else None, **kwargs)
     assert torch.equal(static["ok"], torch.zeros(2))  # nothing written
+
+
+def test_a_source_at_two_places_over_a_target_is_read_first_at_both() -> None:
+    x, y, z = torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([0.0])
+    todevice.move({"a": y, "b": x, "c": x}, out={"a": x, "b": y, "c": z})
+    assert (x.item(), y.item(), z.item()) == (2.0, 1.0, 1.0)
+
+
+def test_interleaved_targets_over_one_buffer_are_not_refused() -> None:
+    m = torch.zeros(3, 2)
+    todevice.move({"u": torch.ones(3), "v": torch.full((3,), 2.0)}, out={"u": m[:, 0], "v": m[:, 1]})
+    assert m.tolist() == [[1.0, 2.0]] * 3
+    with pytest.raises(ValueError, match="shares memory"):  # a column and a row that cross do share an element
+        todevice.move({"u": torch.ones(3), "v": torch.ones(2)}, out={"u": m[:, 0], "v": m[0]})

@@ -1070,3 +1070,11 @@ def test_deep_nesting_looks_for_cycles_without_building_a_path_per_level(monkeyp
     looped.append({"back": looped})
     with pytest.raises(ValueError, match=r"the list at \['x'\] contains itself at \['x'\]\[1\]\['back'\]"):
         todevice.move({"x": looped}, "meta")
+
+
+def test_non_blocking_is_checked_on_every_call_not_only_the_first() -> None:
+    t = torch.ones(1)
+    todevice.move(t, "cpu")  # the plan for non_blocking=True is made and kept
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match="non_blocking"):
+            todevice.move(t, "cpu", non_blocking=value)  # type: ignore[arg-type]

@@ -1215,3 +1215,27 @@ def test_len_of_a_packed_batch_says_how_to_get_the_batch_and_it_stays_true() -> 
         packed["x"]
     assert type(info.value).__module__ == "todevice.errors"  # no private name in the traceback
     assert not hasattr(packed, "x")
+
+
+class _KeywordOnly(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A read-only mapping whose constructor takes no dict: move() gives it back as it is when nothing in it moves."""
+
+    def __init__(self, *, data: dict[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def test_a_mapping_holding_no_tensor_comes_back_as_it_is_from_a_packed_batch_too() -> None:
+    m = _KeywordOnly(data={"a": [1, 2], "b": ("x", None)})
+    batch = {"m": m, "t": torch.ones(2)}
+    assert todevice.move(batch, "meta")["m"] is m
+    assert todevice.pack(batch).unpack()["m"] is m
+    assert todevice.move(batch, "meta", coalesce=True)["m"] is m

@@ -65,8 +65,14 @@ def brought(obj: Any, max_bytes: int) -> Any:
 _requires_grad = _layout.requires_grad
 
 
-def _plain(x: Any, tensors: list[torch.Tensor]) -> bool:
-    """Whether ``x`` (a dict, list or tuple) holds only plain containers, tensors and atoms; its tensors appended."""
+_DEPTH_MAX = 100  # containers deep: the rebuild recurses too, two frames a level; deeper batches take the general way
+
+
+def _plain(x: Any, tensors: list[torch.Tensor], depth: int = 0) -> bool:
+    """Whether ``x`` (a dict, list or tuple) holds only plain containers, tensors and atoms, at most ``_DEPTH_MAX``
+    deep; its tensors appended."""
+    if depth > _DEPTH_MAX:
+        return False
     values = x.values() if type(x) is dict else x
     if set(map(type, values)) == _JUST_TENSORS:  # a metrics dict, a list of per-class values: C loops only
         tensors.extend(values)
@@ -76,7 +82,7 @@ def _plain(x: Any, tensors: list[torch.Tensor]) -> bool:
         if tp is _Tensor:
             tensors.append(v)
         elif tp is dict or tp is list or tp is tuple:
-            if not _plain(v, tensors):
+            if not _plain(v, tensors, depth + 1):
                 return False
         elif tp not in _ATOMS:
             return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import operator
 from collections.abc import Collection, Hashable
 from typing import Any, NamedTuple
@@ -155,8 +156,8 @@ def _again(
     try:
         # Fails before writing anything where a target cannot be written (an inference tensor outside
         # inference mode): the full check then says which.
-        span = first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), found.base)
         with torch.no_grad():
+            span = first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), found.base)
             if first.is_cpu:
                 lo, hi = span.data_ptr(), span.data_ptr() + lay.nbytes
                 if any(lo < p + _extent(t) and p < hi for t, p in zip(sources, map(_data_ptr, sources))):
@@ -212,12 +213,13 @@ def _extent(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)) * t.element_size()
 
 
-def _spans(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """(start, end, index) of each distinct tensor with memory, by address: meta and empty tensors have none."""
+def _spans(tensors: list[torch.Tensor], once: bool = True) -> list[tuple[int, int, int]]:
+    """(start, end, index) of each tensor with memory (each distinct one, with ``once``), by address: meta and empty
+    tensors have none."""
     seen: set[int] = set()
     out = []
     for i, (t, ptr) in enumerate(zip(tensors, map(_data_ptr, tensors))):
-        if ptr and id(t) not in seen:
+        if ptr and not (once and id(t) in seen):
             seen.add(id(t))
             end = ptr + _extent(t)
             if end > ptr:
@@ -226,29 +228,52 @@ def _spans(tensors: list[torch.Tensor]) -> list[tuple[int, int, int]]:
     return out
 
 
+_EXACT_MAX = 1 << 22  # elements: past this, two strided targets whose ranges cross are taken to share memory
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte ranges cross have an element in common (interleaved columns have none)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    size = a.element_size()
+    if size != b.element_size() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True  # not one storage read as one dtype: not told apart here
+    first, second = int(a.storage_offset()), int(b.storage_offset())
+    lo = min(first, second)
+    hi = max(first + _extent(a) // size, second + _extent(b) // size)
+    if hi - lo > _EXACT_MAX:
+        return True
+    offsets = torch.arange(hi - lo)
+    mine = offsets.as_strided(a.shape, a.stride(), first - lo).flatten()
+    theirs = offsets.as_strided(b.shape, b.stride(), second - lo).flatten()
+    return bool(torch.isin(mine, theirs).any())
+
+
 def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
     """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
     read before anything is written (a swap, a rolling buffer); ValueError, naming both paths, where two targets
     share memory, since one would be written over the other."""
     spans = _spans(targets)
-    reach, widest = -1, -1
+    active: list[tuple[int, int]] = []  # (end, index) of the targets whose range reaches the next start
     for start, end, i in spans:
-        if start < reach:
-            here, there = (_walk.format_path(_walk.find_path(out, targets[k]) or "") for k in (i, widest))
-            msg = (
-                f"Cannot copy into out: at {here}, out's tensor shares memory with the one at {there}, so one "
-                f"would be written over the other. Give each its own memory. Nothing was copied."
-            )
-            raise ValueError(msg)
-        if end > reach:
-            reach, widest = end, i
+        active = [(e, k) for e, k in active if e > start]
+        for _, k in active:
+            if _share_elements(targets[i], targets[k]):
+                here, there = (_walk.format_path(_walk.find_path(out, targets[j]) or "") for j in (i, k))
+                msg = (
+                    f"Cannot copy into out: at {here}, out's tensor shares memory with the one at {there}, so one "
+                    f"would be written over the other. Give each its own memory. Nothing was copied."
+                )
+                raise ValueError(msg)
+        active.append((end, i))
     if not spans or (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
         return sources
     starts = [start for start, _, _ in spans]
+    reach = list(itertools.accumulate([end for _, end, _ in spans], max))  # the furthest any target up to here ends
     fresh = list(sources)
-    for start, end, i in _spans(sources):
+    for start, end, i in _spans(sources, once=False):  # every place a source is read from
         k = bisect.bisect_left(starts, end) - 1  # the last target starting before this source ends
-        if k >= 0 and spans[k][1] > start:
+        if k >= 0 and reach[k] > start:
             fresh[i] = sources[i].clone()
     return fresh
 

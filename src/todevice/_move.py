@@ -484,6 +484,8 @@ def move(
         # Under torch.compile, before anything else: dynamo traces this call and then per-leaf copies, also where it
         # compiles this frame on its own (after a graph break in its caller). See _traced.compiling.
         return _traced.compiled(obj, device, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=skip_keys)  # type: ignore[no-any-return]
+    if non_blocking is not True and non_blocking is not False:  # 1 would find True's plan: refused on every call
+        _options.check_bool(non_blocking, "non_blocking")  # type: ignore[unreachable]  # typed bool, any value at run time
     try:
         p = _plans[type(device), device, non_blocking, dtype]
     except (KeyError, TypeError):  # not seen yet, or unhashable: _plan_for says what is wrong

@@ -433,7 +433,7 @@ def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
 def _mapping_deferred(aux: tuple[Any, ...], children: list[Any]) -> Any:
     """A mapping in a packed skeleton: the very same object where nothing in it was taken, else deferred."""
     src, keys, before = aux
-    if all(map(operator.is_, children, before)):
+    if all(map(_unchanged, children, before)):  # nothing in it taken: as move() gives it back, the very same object
         return src
     return DeferredMapping(type(src), (None, keys), children)
 

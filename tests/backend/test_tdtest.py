@@ -896,3 +896,13 @@ def test_assert_moved_raises_no_false_alarm_where_tensors_report_no_address() ->
         there = todevice.move(tree, "tdtest", coalesce=False)
     assert {t.data_ptr() for t in (there["a"], there["c"])} == {0}  # what this backend reports
     testing.assert_moved(there, tree, "tdtest")
+
+
+def test_a_deep_plain_batch_comes_back_through_the_general_way() -> None:
+    deep: Any = "leaf"
+    for _ in range(700):  # deeper than the one-pass way back rebuilds on Python's stack
+        deep = [deep]
+    with torch.inference_mode():
+        there = [torch.ones(2).to("tdtest"), torch.zeros(2).to("tdtest"), deep]
+    back, copies, _ = counted(lambda: todevice.move(there, "cpu", non_blocking=False))
+    assert copies["d2h"] >= 1 and back[0].is_cpu and torch.equal(back[1], torch.zeros(2)) and back[2] == deep
