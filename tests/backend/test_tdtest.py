@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -797,6 +797,7 @@ def test_a_flat_batch_back_keeps_repeats_host_tensors_grads_and_limits() -> None
     assert cast[0].dtype == torch.float64 and torch.equal(cast[0], t.raw.double())
 
 
+@settings(max_examples=40)  # each example crosses the Python backend: the general way's own test searches further
 @given(st.lists(strategies.tensors(), min_size=2, max_size=12), st.sampled_from([list, tuple, dict]))
 def test_random_flat_batches_come_back_as_the_reference_moves_them(tensors: list[torch.Tensor], kind: Any) -> None:
     tree = {f"k{i}": t for i, t in enumerate(tensors)} if kind is dict else kind(tensors)
