@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import functools
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
@@ -204,54 +205,13 @@ def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozens
 
     The items under the keys in ``skip`` are not walked, so a cycle there is none of the walk's business.
     """
-    cycle = _cycle(x, skip)
-    if cycle is not None:
+    try:
+        for _ in _nodes(x, False, skip, None, _linked, _joined):  # no path built on the way: linear in the depth
+            pass
+    except CycleError as cycle:
         raise ValueError(cycle_message(cycle, verb)) from err
-
-
-def _cycle(obj: Any, skip: frozenset[Any]) -> CycleError | None:
-    """The first container of ``obj`` that contains itself, as ``paths`` would report it; None where there is none.
-
-    A walk by identity, without recursion, that builds a path only for the cycle it finds: the paths ``paths``
-    builds on the way are as long as the nesting is deep, which made 100,000 levels take minutes.
-    """
-    frames: list[tuple[int, str]] = []  # (parent frame, entry) of each container entered
-    stack: list[tuple[Any, int, str, bool]] = [(obj, -1, "", False)]
-    on_path: dict[int, int] = {}  # id of a container being walked -> its frame
-    done: dict[int, Any] = {}  # finished containers, kept alive so their ids stay theirs
-
-    def path(frame: int) -> str:
-        parts = []
-        while frame >= 0:
-            frame, entry = frames[frame]
-            parts.append(entry)
-        return "".join(reversed(parts))
-
-    while stack:
-        node, parent, entry, leaving = stack.pop()
-        if leaving:
-            del on_path[id(node)]
-            done[id(node)] = node
-            continue
-        kind = _tree.kind_of(type(node))
-        if kind.code != _NODE or id(node) in done:
-            continue
-        if id(node) in on_path:
-            return CycleError(path(on_path[id(node)]), path(parent) + entry, node)
-        frames.append((parent, entry))
-        on_path[id(node)] = len(frames) - 1
-        stack.append((node, parent, entry, True))
-        assert kind.flatten is not None and kind.entry is not None
-        try:
-            children, aux = kind.flatten(node)
-        except Exception:  # the walk that follows reports it, with its path
-            continue
-        keys = kind.keys(aux) if skip and kind.keys is not None else None
-        me = len(frames) - 1
-        for j in range(len(children) - 1, -1, -1):
-            if keys is None or keys[j] not in skip:
-                stack.append((children[j], me, kind.entry(aux, j), False))
-    return None
+    except Exception:  # a container that cannot list its items: the walk that follows reports it, with its path
+        pass
 
 
 # ---------------------------------------------------------------- paths
@@ -279,47 +239,79 @@ def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()
     container that contains itself raises ``CycleError`` with the path of the repeat. A mapping's
     items under the keys in ``skip`` are not listed.
     """
-    stack: list[tuple[str, Any, bool]] = [("", obj, False)]
-    on_path: dict[int, str] = {}
+    return _nodes(obj, revisit, skip, "", operator.add, str)
+
+
+Link = Any  # where a node sits: a path string, or (parent link, entry) to be joined only when one is wanted
+
+
+def _linked(link: Link, entry: str) -> Link:
+    return (link, entry)
+
+
+def _joined(link: Link) -> str:
+    """The path a chain of ``_linked`` links names."""
+    parts = []
+    while link is not None:
+        link, entry = link
+        parts.append(entry)
+    return "".join(reversed(parts))
+
+
+def _nodes(
+    obj: Any,
+    revisit: bool,
+    skip: frozenset[Any],
+    root: Link,
+    extend: Callable[[Link, str], Link],
+    name: Callable[[Link], str],
+) -> Iterator[tuple[Link, Any]]:
+    """``paths``' walk, each node with its link: ``extend(link, entry)`` makes a child's, ``name(link)`` a path.
+
+    With path strings, every node's path is built as it is reached, which is as long as the nesting is deep; with
+    ``_linked`` links, a path is built only where one is named (a cycle, or the node looked for).
+    """
+    stack: list[tuple[Link, Any, bool]] = [(root, obj, False)]
+    on_path: dict[int, Link] = {}
     # Finished containers, kept alive: a registered flatten may build its children afresh, and the
     # id of a freed one could be reused by a container not walked yet.
     done: dict[int, Any] = {}
     while stack:
-        path, node, leaving = stack.pop()
+        link, node, leaving = stack.pop()
         if leaving:
             del on_path[id(node)]
             done[id(node)] = node
             continue
-        yield path, node
+        yield link, node
         kind = _tree.kind_of(type(node))
         if kind.code != _NODE:
             continue
         i = id(node)
         if i in on_path:
-            raise CycleError(on_path[i], path, node)
+            raise CycleError(name(on_path[i]), name(link), node)
         if i in done and not revisit:
             continue
-        on_path[i] = path
-        stack.append((path, node, True))
+        on_path[i] = link
+        stack.append((link, node, True))
         assert kind.flatten is not None and kind.entry is not None
         try:
             children, aux = kind.flatten(node)
         except RecursionError:
             raise
         except Exception as err:  # a mapping whose keys fail, a registered flatten that raises: the same error, placed
-            raise_with_message(err, f"Cannot list what {format_path(path)} ({describe(node)}) holds: {err}")
+            raise_with_message(err, f"Cannot list what {format_path(name(link))} ({describe(node)}) holds: {err}")
         keys = kind.keys(aux) if skip and kind.keys is not None else None
         for j in range(len(children) - 1, -1, -1):
             if keys is None or keys[j] not in skip:
-                stack.append((path + kind.entry(aux, j), children[j], False))
+                stack.append((extend(link, kind.entry(aux, j)), children[j], False))
 
 
 def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
     """The first path at which ``target`` (by identity) sits inside ``obj``, outside the items skipped."""
     try:
-        for path, node in paths(obj, skip=skip):
+        for link, node in _nodes(obj, False, skip, None, _linked, _joined):
             if node is target:
-                return path
+                return _joined(link)
     except (CycleError, RecursionError):
         pass
     except Exception:  # a container that cannot list what it holds, past the target if it was there: not found
