@@ -209,6 +209,19 @@ def test_fullgraph_move_of_registered_types_to_objects_and_modules() -> None:
     assert type(out["seq"]) is type(seq) and out["seq"].data.is_meta
 
 
+def test_fullgraph_mapping_with_its_own_to_has_its_containers_moved_and_skipped_keys_kept() -> None:
+    from tests.test_dropin import InPlaceStore, TensorsOnly
+
+    enc = TensorsOnly({"ids": torch.arange(3), "pixel": [torch.ones(2)], "lengths": torch.tensor([3])})
+    store = InPlaceStore(torch.ones(2))
+    batch = {"enc": enc, "store": store}
+    out = fullgraph_where_traced(lambda b: todevice.move(b, "meta", skip_keys="lengths"), batch)
+    assert out["enc"]["ids"].is_meta and out["enc"]["pixel"][0].is_meta
+    assert not out["enc"]["lengths"].is_meta and out["store"].data["inner"]["u"].is_meta
+    assert enc["pixel"][0].device.type == "cpu" and store.data["inner"]["u"].device.type == "cpu"
+    assert store.items[1][0].device.type == "cpu"
+
+
 class ReturnsNone:
     """A .to() that moves its contents in place and returns nothing."""
 

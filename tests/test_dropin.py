@@ -139,6 +139,74 @@ def test_a_mapping_with_its_own_to_still_goes_through_it() -> None:
     assert not hasattr(enc, "moved_by_to") and enc["input_ids"].device == CPU
 
 
+class TensorsOnly(collections.UserDict):  # type: ignore[type-arg]
+    """Like transformers' BatchEncoding.to(): moves the values that are tensors, in place, and returns self."""
+
+    def to(self, device: Any, non_blocking: bool = False) -> TensorsOnly:
+        self.data = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
+        return self
+
+
+@pytest.mark.parametrize("coalesce", [False, True, None])
+def test_a_mapping_with_its_own_to_has_its_containers_moved_and_its_skipped_keys_kept(coalesce: Any) -> None:
+    enc = TensorsOnly({"ids": torch.arange(3), "pixel": [ones(2), (ones(1),)], "lengths": torch.tensor([3]), "n": 3})
+    out = todevice.move({"enc": enc}, "meta", skip_keys="lengths", coalesce=coalesce)["enc"]
+    assert type(out) is TensorsOnly and out is not enc
+    assert out["ids"].device == META and out["n"] == 3
+    assert out["pixel"][0].device == META and out["pixel"][1][0].device == META  # its .to() left them
+    assert out["lengths"] is enc["lengths"]  # skipped inside it too, although its .to() moved it
+    assert enc["ids"].device == CPU and enc["pixel"][0].device == CPU  # the input is untouched
+    todevice.testing.assert_moved(out, enc, "meta", skip_keys="lengths")
+
+
+def test_a_mapping_with_its_own_to_keeps_a_tensor_it_holds_twice_one_tensor() -> None:
+    t = ones(2)
+    out = todevice.move(TensorsOnly({"a": [t], "b": [t], "c": t}), "meta", coalesce=False)
+    assert out["a"][0] is out["b"][0] and out["a"][0].device == META
+
+
+class InPlaceStore:
+    """A hand-written batch without __copy__ whose .to() writes into the dicts and lists it holds."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        inner = {"u": t}
+        self.data = {"t": t, "inner": inner, "again": inner}
+        self.items = [t, [t]]
+
+    def to(self, device: Any) -> InPlaceStore:
+        self.data["t"] = self.data["t"].to(device)
+        self.data["inner"]["u"] = self.data["inner"]["u"].to(device)
+        self.items[0] = self.items[0].to(device)
+        self.items[1][0] = self.items[1][0].to(device)
+        return self
+
+
+def test_a_to_that_writes_into_the_dicts_and_lists_it_holds_leaves_the_input_alone() -> None:
+    store = InPlaceStore(ones(2))
+    out = todevice.move([store], "meta")[0]
+    assert out.data["t"].device == META and out.data["inner"]["u"].device == META
+    assert out.items[0].device == META and out.items[1][0].device == META
+    assert out.data["inner"] is out.data["again"]  # a dict held twice is copied once
+    assert store.data["t"].device == CPU and store.data["inner"]["u"].device == CPU
+    assert store.items[0].device == CPU and store.items[1][0].device == CPU
+
+
+class SharesOnCopy(InPlaceStore):
+    """A class whose own __copy__ shares its dict: its copy is its own word."""
+
+    def __copy__(self) -> SharesOnCopy:
+        new = SharesOnCopy.__new__(SharesOnCopy)
+        new.__dict__.update(self.__dict__)
+        return new
+
+
+def test_a_class_with_its_own_copy_is_copied_its_way() -> None:
+    store = SharesOnCopy(ones(2))
+    out = todevice.move(store, "meta")
+    assert out is not store and out.data is store.data  # the documented limit: its __copy__ shares
+    assert store.data["t"].device == META
+
+
 # ---------------------------------------------------------------- instance attributes
 
 

@@ -35,9 +35,9 @@ Where the result differs from the eager move, and why:
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from collections.abc import Callable, Collection, Hashable
+from collections.abc import Mapping as _Mapping
 from typing import Any
 
 import torch
@@ -347,10 +347,7 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
         if not LISTS_ATTRIBUTES:
             torch._dynamo.graph_break(msg=_too_old(type(x), "makes a shallow copy of"))
-        try:
-            target = copy.copy(x)
-        except Exception:  # not copyable: its own .to() is all there is, as in the eager move
-            target = x
+        target = _walk.copy_for_to(x)
     casts: dict[str, torch.dtype] = {}
     floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or x.data.is_floating_point()
     if h.dtype is not None and takes_dtype and floating:
@@ -358,6 +355,8 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     out = target.to(h.dev, non_blocking=h.nb, **casts) if non_blocking else target.to(h.dev, **casts)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
+    if isinstance(x, _Mapping):  # what its .to() left: containers in it, and keys to skip
+        out = _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h))
     h.memo[id(x)] = out
     return out
 

@@ -611,6 +611,10 @@ def _deferred_mapping_unflatten(d: Deferred, children: list[Any]) -> Any:
 _DEFERRED_MAPPING = Kind(NODE, _deferred_flatten, _deferred_mapping_unflatten, _deferred_entry, lambda d: d.aux[1])
 
 
+# An object with its own .to() that is also a mapping (a BatchEncoding): finished as a mapping after its .to().
+TO_MAPPING = Kind(TO, keys=list)
+
+
 def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
 
@@ -647,7 +651,7 @@ def _classify(tp: type) -> Kind:
     if callable(getattr(tp, "_todevice_move_", None)):
         return Kind(OWN)
     if _has_to(tp):
-        return Kind(TO)
+        return TO_MAPPING if issubclass(tp, collections.abc.Mapping) else Kind(TO)
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result

@@ -385,13 +385,85 @@ def inside(obj: Any) -> Iterator[tuple[str, Any]]:
 
 
 # Types whose .to() is known to return a new object and leave the original alone; any other
-# .to() object is shallow-copied first, because several popular ones (tokenizer BatchEncoding,
-# PyG Data) move their contents in place and return self, which would mutate the input.
+# .to() object is copied first, because several popular ones (tokenizer BatchEncoding, PyG Data)
+# move their contents in place and return self, which would mutate the input.
 _PURE_TO: frozenset[type] = frozenset({torch.nn.utils.rnn.PackedSequence})
+_PLAIN_CONTAINERS = (dict, list)
+_JUST_TENSORS = frozenset({torch.Tensor})
+
+
+def copy_for_to(obj: Any) -> Any:
+    """What ``obj``'s own ``.to()`` is called on: a copy, so that a ``.to()`` that works in place leaves ``obj`` alone.
+
+    ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is then the class's
+    word), the plain dicts and lists its attributes hold, at any depth, are copied too: a ``.to()``
+    that writes ``self.data[k] = ...`` writes into the copy's dict. Any other object the attributes
+    hold (tensors included) is shared. One that cannot be copied is returned as it is.
+    """
+    tp = type(obj)
+    if tp in _PURE_TO:
+        return obj
+    try:
+        target = copy.copy(obj)
+    except RecursionError:
+        raise  # deep nesting: the walk falls back to one with a stack
+    except Exception:
+        return obj  # not copyable: its own .to() is all there is
+    state = getattr(target, "__dict__", None)
+    if state and getattr(tp, "__copy__", None) is None and any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
+        _copy_plain_containers(state)
+    return target
+
+
+def _copy_plain_containers(state: dict[str, Any]) -> None:
+    """Replace, in place, every plain dict and list under ``state`` by a copy, at any depth, without recursion.
+
+    A container reached twice is copied once, so the copies share as the originals did.
+    """
+    copies: dict[int, Any] = {}
+    todo: list[Any] = [state]  # containers already copied (or ``state``), whose items are still the originals
+    while todo:
+        node = todo.pop()
+        for key, value in node.items() if type(node) is not list else enumerate(node):
+            if type(value) in _PLAIN_CONTAINERS:
+                new = copies.get(id(value))
+                if new is None:
+                    new = copies[id(value)] = value.copy()
+                    todo.append(new)
+                node[key] = new
+
+
+def rest_of_mapping(obj: Any, out: Any, skip: frozenset[Any], move_item: Callable[[Any], Any]) -> Any:
+    """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be.
+
+    Such a ``.to()`` moves only what has a ``.to()`` (a BatchEncoding's): an item that is a container
+    (a list of tensors) is moved by ``move_item``, and an item under a key in ``skip`` is put back as
+    ``obj`` holds it. Written through ``out[key] = ...``, which is the copy the ``.to()`` was called on
+    or what it returned; one that cannot be written into is returned as it is.
+    """
+    items: Any = out
+    if collections.UserDict in type(out).__mro__ and type(out.data) is dict:
+        items = out.data  # a BatchEncoding's items, read in C rather than through its methods
+    elif not isinstance(out, collections.abc.MutableMapping):
+        return out
+    if not skip and set(map(type, items.values())) <= _JUST_TENSORS:
+        return out  # the usual case: every item a tensor, which its .to() moved
+    changes = []
+    for key, value in items.items():
+        if key in skip:
+            if key in obj and value is not obj[key]:
+                changes.append((key, obj[key]))
+        elif not isinstance(value, torch.Tensor):
+            new = move_item(value)
+            if new is not value:
+                changes.append((key, new))
+    for key, value in changes:
+        out[key] = value
+    return out
 
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
-    """``obj`` moved by its own ``.to()``, on a shallow copy where it can be copied; raises ``LeafError``.
+    """``obj`` moved by its own ``.to()``, on a copy where it can be copied (``copy_for_to``); raises ``LeafError``.
 
     With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as its fields, items and
     attributes show), its ``.to()`` gets ``dtype=`` too, as ``nn.Module.to`` does; one whose ``.to()`` takes no
@@ -408,12 +480,7 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
             )
             raise LeafError(obj, TypeError(msg))
         casts["dtype"] = dtype
-    try:
-        target = obj if tp in _PURE_TO else copy.copy(obj)
-    except RecursionError:
-        raise  # deep nesting: the walk falls back to one with a stack
-    except Exception:
-        target = obj  # not copyable: its own .to() is all there is
+    target = copy_for_to(obj)
     try:
         if _tree.to_takes(tp, "non_blocking"):  # type: ignore[arg-type]  # types hash
             try:
