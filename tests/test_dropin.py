@@ -19,6 +19,7 @@ import torch
 import todevice
 from tests import helpers
 from todevice import _tree
+from todevice.errors import TensorsLeftBehindWarning
 from todevice.testing import FrozenMapping
 
 META = torch.device("meta")
@@ -345,7 +346,8 @@ def test_an_attribute_access_dict_is_walked_once_per_item() -> None:
 
 def test_attributes_are_read_and_written_below_getattr() -> None:
     inner = Inner()
-    out = todevice.move(Delegating(inner), "meta")
+    with pytest.warns(TensorsLeftBehindWarning, match=r"Inner through as it is, so the tensor in its \.t "):
+        out = todevice.move(Delegating(inner), "meta")
     assert inner.t.device == CPU and inner.__dict__.keys() == {"t"}  # the input is untouched
     assert out.inner is inner  # an object todevice does not know, kept as it is
     d = DotDict(x=ones())
@@ -492,6 +494,7 @@ def test_a_coalesced_move_uses_the_registration_it_started_with() -> None:
     assert type(out["box"]) is Box and out["box"].v.device == META
 
 
+@pytest.mark.filterwarnings("ignore::todevice.errors.TensorsLeftBehindWarning")  # Box between registrations
 def test_coalesced_moves_while_another_thread_unregisters() -> None:
     stop = threading.Event()
     errors: list[BaseException] = []

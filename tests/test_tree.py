@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import optree
@@ -12,6 +13,7 @@ import torch
 import todevice
 from tests import helpers
 from todevice import _tree, _walk
+from todevice.errors import TensorsLeftBehindWarning
 
 META = torch.device("meta")
 
@@ -44,13 +46,15 @@ def test_registered_type_is_moved(registered_pair: type) -> None:
 
 def test_unregistered_type_passes_through() -> None:
     p = Pair(torch.ones(1), 2)
-    assert todevice.move(p, "meta") is p
+    with pytest.warns(TensorsLeftBehindWarning, match=r"test_tree\.Pair through as it is, so the tensor in its \.a "):
+        assert todevice.move(p, "meta") is p
 
 
 def test_unregister_restores_pass_through(registered_pair: type) -> None:
     todevice.unregister(Pair)
     p = Pair(torch.ones(1), 2)
-    assert todevice.move(p, "meta") is p
+    with pytest.warns(TensorsLeftBehindWarning):
+        assert todevice.move(p, "meta") is p
     todevice.register(Pair, flatten_pair, unflatten_pair)  # for the fixture's unregister
 
 
@@ -121,9 +125,11 @@ def test_registration_is_by_exact_type(registered_pair: type) -> None:
         pass
 
     s = SubPair(torch.ones(1), 2)
-    assert todevice.move(s, "meta") is s
+    with pytest.warns(TensorsLeftBehindWarning, match="SubPair"):
+        assert todevice.move(s, "meta") is s
 
 
+@pytest.mark.filterwarnings("ignore::todevice.errors.TensorsLeftBehindWarning")  # each Box once unregistered
 def test_threads_register_and_move_at_the_same_time() -> None:
     """Eight threads each register their own class, move trees holding it, and unregister it."""
     errors: list[BaseException] = []
@@ -167,3 +173,35 @@ def test_paths_lists_every_path() -> None:
         "['d'].tag",  # an instance attribute is a child like the items
         "['d']['k']",
     ]
+
+
+class Holder:
+    """An object todevice does not walk, holding a tensor in an attribute."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+
+def test_an_unknown_object_holding_a_tensor_warns_once_per_place_naming_it_and_the_fixes() -> None:
+    with pytest.warns(TensorsLeftBehindWarning) as record:
+        for _ in range(3):  # one line of the caller's: one warning (Python's default filter)
+            for coalesce in (False, True):
+                out = todevice.move({"h": Holder(torch.ones(1)), "x": torch.ones(2)}, "meta", coalesce=coalesce)
+    assert out["h"].t.device.type == "cpu" and out["x"].is_meta
+    shown = {str(w.message) for w in record}
+    assert shown == {
+        "move() passed a tests.test_tree.Holder through as it is, so the tensor in its .t (and any other it holds) "
+        "was not moved. Register its type with todevice.register(), give it a .to() method, or pass strict=True to "
+        "make this an error."
+    }
+    assert all(w.filename == __file__ for w in record)  # it points at the caller's line, not into todevice
+
+
+def test_objects_holding_no_tensor_and_modules_pass_through_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = {"h": Holder("text"), "m": torch.nn.Linear(1, 1), "n": Holder(3), "x": torch.ones(1)}
+        out = todevice.move(batch, "meta")
+    assert out["h"] is batch["h"] and out["m"] is batch["m"]
+    with pytest.raises(TypeError, match=r"\['h'\]: Holder"):
+        todevice.move({"h": Holder(torch.ones(1))}, "meta", strict=True)  # strict raises before any warning

@@ -48,11 +48,13 @@ class _Gather(Exception):  # a move to the CPU met a tensor off the host, which 
 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
-    """The optimistic walk's other leaves: unknown objects and modules stay; a ``.to()`` object, a packed
-    batch or a slot needs a move's full state, so the careful walk takes over."""
-    if code == _tree.UNKNOWN or code == _tree.MODULE:
-        return x
-    raise _Careful
+    """The optimistic walk's other leaves: unknown objects (with a warning where they hold tensors) and modules
+    stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the careful walk takes over."""
+    if code == _tree.UNKNOWN:
+        _walk.left_behind(x)
+    elif code != _tree.MODULE:
+        raise _Careful
+    return x
 
 
 @functools.lru_cache(maxsize=64)
@@ -257,10 +259,7 @@ def _order(t: torch.Tensor, s: State) -> None:
 
 
 def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> Any:
-    """A move to the host: the optimistic walk, and the careful one only where the batch needs it.
-
-    A move to the CPU that meets a tensor off the host coalesces (``gather``) or walks carefully.
-    """
+    """A move to the host: the optimistic walk, then the careful one where needed, or coalesced (``gather``)."""
     rec: list[torch.Tensor] = []  # source, copy, source, copy, ...
     try:
         out = walk.walk(obj, rec)
@@ -370,7 +369,7 @@ def _leaf(x: Any, code: int, s: State) -> Any:
         return _to_object(x, s)
     if code == _tree.OWN:
         return x._todevice_move_(s)
-    return x  # nn.Modules and unknown objects: as they are (strict=True reported them before)
+    return _plain_objects_only(x, code, [])  # nn.Modules and unknown objects: as they are (strict=True reported them)
 
 
 def _to_object(obj: Any, s: State) -> Any:
@@ -451,7 +450,8 @@ def move(
             host memory do not wait for the current stream. The tensors returned are safe to use on
             the current stream: it waits for the copies, and they are recorded on it. The current
             device and stream are restored.
-        strict: Raise instead of passing through objects todevice does not understand.
+        strict: Raise instead of passing through objects todevice does not understand (a
+            ``todevice.errors.TensorsLeftBehindWarning`` otherwise, where they hold tensors).
         skip_keys: A dict key, or a collection of them: the items under these keys, in any mapping
             at any depth, come back exactly as they are (the CPU ``lengths`` that
             ``pack_padded_sequence`` wants, for instance).

@@ -13,12 +13,14 @@ import collections.abc
 import copy
 import functools
 import operator
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from todevice import _stream, _tree
+from todevice import _stream, _tree, errors
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
@@ -531,6 +533,31 @@ def devices_held(obj: Any, depth: int = 3) -> set[torch.device]:
 
     look(obj, depth)
     return found or set(_stream.devices_in_use())
+
+
+def left_behind(obj: Any) -> None:
+    """Warn where an object move() passes through as it is holds a tensor in an attribute of its own."""
+    state = getattr(obj, "__dict__", None)
+    if not state:
+        return
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            tp = type(obj)
+            msg = (
+                f"move() passed a {tp.__module__}.{tp.__qualname__} through as it is, so the tensor in its .{name} "
+                f"(and any other it holds) was not moved. Register its type with todevice.register(), give it a "
+                f".to() method, or pass strict=True to make this an error."
+            )
+            warnings.warn(msg, errors.TensorsLeftBehindWarning, stacklevel=_callers_level())
+            return
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside todevice: a warning points at the caller's line."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "todevice":
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def refuse_unknown(obj: Any, skip: frozenset[Any]) -> None:

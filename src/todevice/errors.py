@@ -1,4 +1,4 @@
-"""Errors todevice raises on purpose (public)."""
+"""Errors and warnings todevice raises on purpose (public)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,17 @@ class PackedBatchError(TypeError):
 class PackedBatchAttributeError(PackedBatchError, AttributeError):
     """An attribute of the batch read from the :class:`todevice.PackedBatch` that holds it. Also an AttributeError,
     so ``hasattr()`` and ``getattr(packed, name, default)`` read it as a missing attribute.
+
+    .. versionadded:: 0.2.0
+    """
+
+
+class TensorsLeftBehindWarning(UserWarning):
+    """``move()`` passed an object through that it does not walk (neither a container it knows, nor registered,
+    nor with a ``.to()`` of its own), and that object holds tensors in its attributes: they were not moved.
+    Raised once per type and attribute (Python's default warning filter). The message names the type and the
+    attribute, and the fixes: ``todevice.register()`` its type, give it a ``.to()``, or pass ``strict=True``
+    to make it an error.
 
     .. versionadded:: 0.2.0
     """
