@@ -33,6 +33,17 @@ def test_every_relative_link_resolves(doc: Path) -> None:
         assert (doc.parent / link).exists(), f"{doc.name} links {link}, which does not exist"
 
 
+def test_the_readme_links_only_files_the_source_distribution_ships() -> None:
+    """An index page shows the README without the files beside it: its links name what the sdist holds."""
+    shipped = re.search(r"^only-include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    assert shipped is not None
+    roots = set(re.findall(r'"([^"]+)"', shipped.group(1)))
+    text = (ROOT / "README.md").read_text()
+    for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert link.split("/")[0] in roots, f"README.md links {link}, which the source distribution leaves out"
+    assert "on a package index page they may not open" in text
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_prose_lines_stay_readable(doc: Path) -> None:
     """Wrapped prose reads in a terminal and in diffs; tables and code blocks may run longer."""
