@@ -17,8 +17,7 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset
 
 import todevice
-from tests import data_support as ds
-from tests import helpers
+from tests import data_support as ds, helpers
 from todevice import _data, _pack
 
 META = torch.device("meta")

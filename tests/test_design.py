@@ -20,6 +20,7 @@ SRC = Path(todevice.__file__).parent
 LAYERS = [
     "errors",
     "_options",
+    "_objects",
     "_tree",
     "_stream",
     "_walk",
@@ -75,7 +76,8 @@ def test_no_source_is_generated(path: Path) -> None:
 ALLOWED_STATE = {
     "_tree._BUILTIN",  # the rules of the built-in containers, never changed
     "_tree._registry",  # the registry
-    "_tree._kinds",  # a type's rule, bounded, cleared on registration
+    "_tree._kinds",  # a type's rule, cleared on registration, gone when its type dies
+    "_tree._refs",  # the types of _kinds, held weakly
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
     "_stream._resolved",  # a device argument's torch.device, bounded
     "_move._plans",  # move()'s arguments' plan, bounded

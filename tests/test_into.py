@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice

@@ -10,8 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice

@@ -21,13 +21,11 @@ from typing import Any, NamedTuple
 import optree
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import todevice
 from tests import helpers, strategies
 from todevice import _layout, _move, _stream, _walk
-from todevice.errors import TensorsLeftBehindWarning
 
 META = torch.device("meta")
 ROOT = Path(__file__).resolve().parent.parent
@@ -807,18 +805,23 @@ def test_namedtuples_with_their_own_constructor_round_trip(tree: Any) -> None:
     helpers.assert_same_tree(packed.unpack(), helpers.reference_move(tree, "cpu"), values=True)
 
 
-def test_a_type_registered_with_optree_itself_keeps_the_walk() -> None:
-    class Pair:
-        def __init__(self, a: Any, b: Any) -> None:
-            self.a, self.b = a, b
+class OptreePair:
+    def __init__(self, a: Any, b: Any) -> None:
+        self.a, self.b = a, b
 
+
+def test_a_type_registered_with_optree_itself_is_moved_and_packed_through_its_flatten() -> None:
+    Pair = OptreePair
     everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
     optree.register_pytree_node(Pair, lambda p: ((p.b,), p.a), lambda a, ch: Pair(a, ch[0]), namespace=everywhere)
     try:
         pair = Pair(torch.ones(1), torch.zeros(1))
-        with pytest.warns(TensorsLeftBehindWarning, match=r"Pair through as it is"):
-            out = todevice.pack({"p": pair, "x": torch.ones(2)}).unpack()
-        assert out["p"] is pair  # todevice passes unknown objects through, as move() does
+        packed = todevice.pack({"p": pair, "x": torch.ones(2)})
+        out = packed.unpack("meta")
+        assert type(out["p"]) is Pair and out["p"].b.is_meta  # its children, as optree's flatten gives them
+        assert out["p"].a is pair.a  # what its flatten keeps aside is not a child: it stays as it is
+        again = pickle.loads(pickle.dumps(packed)).unpack()  # rebuilt through this process's registration
+        assert type(again["p"]) is Pair and again["p"].b.equal(pair.b)
     finally:
         optree.unregister_pytree_node(Pair, namespace=everywhere)
 

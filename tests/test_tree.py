@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from torch.utils import _pytree
 
 import todevice
 from tests import helpers
@@ -58,10 +60,10 @@ def test_unregister_restores_pass_through(registered_pair: type) -> None:
     todevice.register(Pair, flatten_pair, unflatten_pair)  # for the fixture's unregister
 
 
-def test_registration_lives_in_todevice_namespace_only(registered_pair: type) -> None:
+def test_registration_leaves_optree_and_torch_pytree_alone(registered_pair: type) -> None:
     p = Pair(torch.ones(1), 2)
-    assert optree.tree_leaves(p) == [p]  # the global namespace is untouched
-    assert optree.tree_leaves(p, namespace=_tree.NAMESPACE) == [p.a, 2]
+    assert optree.tree_leaves(p) == [p]
+    assert optree.register_pytree_node.get(Pair, namespace="todevice") is None
     from torch.utils import _pytree
 
     assert _pytree.tree_leaves(p) == [p]
@@ -205,3 +207,64 @@ def test_objects_holding_no_tensor_and_modules_pass_through_without_a_warning() 
     assert out["h"] is batch["h"] and out["m"] is batch["m"]
     with pytest.raises(TypeError, match=r"\['h'\]: Holder"):
         todevice.move({"h": Holder(torch.ones(1))}, "meta", strict=True)  # strict raises before any warning
+
+
+# ---------------------------------------------------------------- types registered with torch pytree or optree
+
+
+class Ctx:
+    """A container known only to torch.utils._pytree."""
+
+    def __init__(self, a: Any, b: Any, note: str = "") -> None:
+        self.a, self.b, self.note = a, b, note
+
+
+# Registered once for the process: torch also registers it with its C++ pytree, which keeps it.
+_pytree.register_pytree_node(Ctx, lambda c: ([c.a, c.b], c.note), lambda ch, note: Ctx(*ch, note))
+
+
+@pytest.fixture
+def pytree_ctx() -> type:
+    return Ctx
+
+
+def test_a_type_registered_with_torch_pytree_is_moved_through_its_flatten(pytree_ctx: type) -> None:
+    batch = {"c": Ctx(torch.ones(1), [torch.zeros(2)], "kept"), "x": torch.ones(3)}
+    for coalesce in (False, True):
+        out = todevice.move(batch, "meta", coalesce=coalesce)
+        c = out["c"]
+        assert type(c) is Ctx and c.a.is_meta and c.b[0].is_meta and c.note == "kept"
+    assert batch["c"].a.device.type == "cpu"  # the input is untouched
+    assert todevice.devices(batch)["['c'][0]"] == torch.device("cpu")
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['c'\]\[1\]\[0\] "):
+        todevice.move({"c": Ctx(torch.ones(1), [torch.empty(1, device="meta")])}, "cpu")
+
+
+def test_todevice_registration_wins_over_torch_pytree(pytree_ctx: type) -> None:
+    todevice.register(Ctx, lambda c: ([c.a], (c.b, c.note)), lambda aux, ch: Ctx(ch[0], *aux))
+    try:
+        out = todevice.move(Ctx(torch.ones(1), torch.ones(1)), "meta")
+        assert out.a.is_meta and out.b.device.type == "cpu"  # todevice's rule moves only a
+    finally:
+        todevice.unregister(Ctx)
+
+
+def test_torch_pytree_registered_type_traces_under_fullgraph(pytree_ctx: type) -> None:
+    fn = torch.compile(lambda b: todevice.move(b, "meta"), backend="eager", fullgraph=True)
+    out = fn({"c": Ctx(torch.ones(1), [torch.zeros(2)], "kept")})
+    assert type(out["c"]) is Ctx and out["c"].a.is_meta and out["c"].b[0].is_meta
+
+
+def test_classes_made_per_batch_die_with_their_batch() -> None:
+    import gc
+    import weakref
+
+    refs = []
+    for i in range(200):
+        cls = collections.namedtuple(f"Made{i}", ["x"])  # type: ignore[misc]
+        todevice.move([cls(torch.ones(1))], "meta")
+        refs.append(weakref.ref(cls))
+        del cls
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert len(_tree._kinds) == len(_tree._refs) < 200

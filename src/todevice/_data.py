@@ -8,8 +8,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 import torch.utils.data
-from torch.utils.data._utils.collate import collate as _collate
-from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+from torch.utils.data._utils.collate import collate as _collate, collate_tensor_fn, default_collate_fn_map
 
 from todevice import _move, _options, _pack, _stream
 from todevice._stream import DeviceLike

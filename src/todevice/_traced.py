@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Collection, Hashable
-from collections.abc import Mapping as _Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping as _Mapping
 from typing import Any
 
 import torch
@@ -280,6 +279,8 @@ def _rule(tp: type) -> int:
         rule = _TO_NB if _tree.to_takes(tp, "non_blocking") else _TO
         return rule | _TAKES_DTYPE if _tree.to_takes(tp, "dtype") else rule
     if code == _tree.NODE:
+        if kind.entry is _tree._registered_entry:  # registered with torch pytree or optree: their flatten
+            return _NODE
         if issubclass(tp, tuple) and hasattr(tp, "_fields"):
             return _NAMEDTUPLE
         if issubclass(tp, tuple) and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0):

@@ -1,10 +1,10 @@
 """Container rules and the registry: which objects are trees, and how they come apart and go back together.
 
 Every type is classified once and the answer cached in ``_kinds`` (cleared on each registration
-change, and bounded). A container kind is a pair of functions in optree's convention,
+change; a type's entry goes when the type dies). A container kind is a pair of functions in optree's convention,
 ``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, plus ``entry(aux, i)``
-which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``). The walk in ``_walk``
-uses these functions for moving, packing, paths and diagnostics alike, so every rule is written once.
+which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``). The walks in ``_walk``
+use these functions for moving, packing, paths and diagnostics alike.
 """
 
 from __future__ import annotations
@@ -18,42 +18,29 @@ import inspect
 import operator
 import sys
 import threading
-import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
+import torch.utils._pytree as _pytree
 
-NAMESPACE = "todevice"
-
-# Kinds of object, as the walkers see them.
-TENSOR = 0  # a torch.Tensor (or subclass): moved with .to()
-ATOM = 1  # a value with nothing inside to move: kept as the very same object
-NODE = 2  # a container: flattened, its children moved, rebuilt
-TO = 3  # an object with its own .to(): moved through it
-MODULE = 4  # an nn.Module: left as it is (its .to() moves in place, mutating the input)
-UNKNOWN = 5  # anything else: passed through, or reported under strict=True
-SLOT = 6  # a hole in a packed structure's skeleton, filled from the packed buffer
-OWN = 7  # an object that tells the walk how it is moved, through its ``_todevice_move_`` (PackedBatch)
-
-Flatten = Callable[[Any], tuple[Any, Any]]
-Unflatten = Callable[[Any, Any], Any]
-
-
-class Kind(NamedTuple):
-    """How one type is handled; cached per type."""
-
-    code: int
-    flatten: Flatten | None = None
-    unflatten: Unflatten | None = None
-    entry: Callable[[Any, int], str] | None = None
-    keys: Callable[[Any], Sequence[Any]] | None = None  # a mapping's key of each child (``_NO_KEY`` for none)
-
-
-_NO_KEY: Any = object()  # the key of a child that is not a mapping's item (a dataclass field, say)
-
+from todevice._objects import (  # re-exported: the kinds are _tree's words to every walker
+    _IN_ATTRIBUTES as _IN_ATTRIBUTES,
+    ATOM as ATOM,
+    MODULE as MODULE,
+    NODE as NODE,
+    OWN as OWN,
+    SLOT as SLOT,
+    TENSOR as TENSOR,
+    TO as TO,
+    UNKNOWN as UNKNOWN,
+    Flatten as Flatten,
+    Kind as Kind,
+    Unflatten as Unflatten,
+    _container_base as _container_base,
+    _object_kind as _object_kind,
+)
 
 # Atomic types besides the subclasses of _ATOMIC_BASES.
 _ATOMIC_EXACT: frozenset[type] = frozenset(
@@ -228,168 +215,9 @@ def _structseq_entry(aux: tuple[Any, ...], i: int) -> str:
     return (f".{named[i]}" if i < len(named) else f"[{i}]") if i < n else f".{names[i - n]}"
 
 
-# ---------------------------------------------------------------- dataclasses, dict and list subclasses, mappings
+# ---------------------------------------------------------------- mappings
 
 
-def _bare_new(tp: type) -> Callable[[type], Any]:
-    """What makes an empty ``tp`` (called with ``tp``) without running a ``__new__`` or ``__init__`` written in Python.
-
-    The first built-in base's ``__new__`` (``dict.__new__``, ``object.__new__``): a subclass's own
-    ``__new__`` may want arguments that only its author knows.
-    """
-    for klass in tp.__mro__:
-        if not klass.__flags__ & _HEAPTYPE:
-            return klass.__new__  # type: ignore[return-value]
-    return object.__new__  # pragma: no cover (object is never a heap type)
-
-
-_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not by C
-
-
-def _object_kind(tp: type) -> Kind:
-    """The rule of a dataclass, a dict or list subclass, a UserDict, UserList or ChainMap: worked out once per type.
-
-    Every instance attribute is a child, moved like the fields: dataclass fields, other attributes
-    (set in ``__post_init__``, a ``functools.cached_property`` value, a UserDict's ``data``) and slots,
-    then the items. So no tensor reachable from the result is left behind. An attribute that is one
-    of the items (an attribute-access dict keeps each item as an attribute too) is not walked again:
-    the copy's attribute is its copied item. Attributes are read and written below any
-    ``__getattr__`` or ``__setattr__`` of the class. The copy is never passed through ``__init__``,
-    ``__new__`` or ``__setitem__`` written in Python: the constructor of a subclass may want other
-    arguments, and frozen dataclasses refuse setattr. Its aux data is (source, attributes set
-    directly, attributes in ``__dict__``, dict keys, attributes that are items).
-    """
-    fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
-    base = _container_base(tp)
-    mapping = base is not None and issubclass(base, dict)
-    slots = tuple(dict.fromkeys(name for klass in tp.__mro__ for name in _slot_names(klass)))
-    # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
-    # them) are read and written with it, in one call each.
-    in_dict = not slots and not any(hasattr(type(getattr(tp, name, None)), "__set__") for name in fields)
-    direct = (() if in_dict else fields) + tuple(name for name in slots if name not in fields)
-    hidden = frozenset(direct)  # not read again from __dict__
-    has_dict = tp.__dictoffset__ != 0
-    new = _bare_new(tp)
-
-    if not direct and base is None and has_dict:  # every attribute in __dict__: most dataclasses
-        # The same aux and children as the general functions below, in fewer steps.
-        def flatten_plain(obj: Any) -> tuple[list[Any], tuple[Any, tuple[str, ...], list[str], None, None]]:
-            state = _get(obj, "__dict__")
-            return list(state.values()), (obj, (), list(state), None, None)
-
-        def unflatten_plain(aux: tuple[Any, tuple[str, ...], list[str], None, None], children: list[Any]) -> Any:
-            out = new(tp)
-            _get(out, "__dict__").update(zip(aux[2], children))
-            return out
-
-        return Kind(NODE, flatten_plain, unflatten_plain, _object_entry, _object_keys)
-
-    ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
-    keys_of = collections.OrderedDict.keys if ordered else dict.keys
-    values_of = collections.OrderedDict.values if ordered else dict.values
-
-    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        names: list[str] = []
-        children: list[Any] = []
-        for name in direct:
-            try:
-                value = _get(obj, name)
-            except AttributeError:  # an init=False field or a slot never set stays unset
-                continue
-            names.append(name)
-            children.append(value)
-        keys: list[Any] | None = None
-        items: list[Any] = []
-        if mapping:
-            keys = list(keys_of(obj))
-            items = list(values_of(obj))
-        elif base is list:
-            items = list(list.__iter__(obj))
-        state: Any = _get(obj, "__dict__") if has_dict else None
-        in_state: list[str] = []
-        mirrors: Any = None  # attributes that are items: (name, item index) pairs, or True for __dict__ is obj
-        if state is obj:  # an attribute-access dict whose __dict__ is itself
-            mirrors = True
-        elif state:
-            in_state = [k for k in state if k not in hidden] if hidden else list(state)
-            if items:
-                at = {id(v): i for i, v in enumerate(items)}
-                mirrors = [(k, at[id(state[k])]) for k in in_state if id(state[k]) in at] or None
-                if mirrors:
-                    skip = {k for k, _ in mirrors}
-                    in_state = [k for k in in_state if k not in skip]
-            children.extend(map(state.__getitem__, in_state))
-        children.extend(items)
-        return children, (obj, tuple(names), in_state, keys, mirrors)
-
-    def unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
-        src, names, in_state, keys, mirrors = aux
-        out = new(tp)
-        n = len(names)
-        for name, value in zip(names, children):
-            object.__setattr__(out, name, value)
-        m = n + len(in_state)
-        if in_state:
-            _get(out, "__dict__").update(zip(in_state, children[n:m]))
-        if base is collections.defaultdict:
-            out.default_factory = src.default_factory
-        if keys is not None:
-            setitem = collections.OrderedDict.__setitem__ if ordered else dict.__setitem__
-            for k, v in zip(keys, children[m:]):
-                setitem(out, k, v)
-        elif base is list:
-            list.extend(out, children[m:])
-        if mirrors is True:
-            object.__setattr__(out, "__dict__", out)
-        elif mirrors:
-            _get(out, "__dict__").update((k, children[m + i]) for k, i in mirrors)
-        return out
-
-    return Kind(NODE, flatten, unflatten, _object_entry, _object_keys)
-
-
-_get = object.__getattribute__  # an attribute as stored: no __getattr__ of the class runs
-
-
-def _slot_names(klass: type) -> tuple[str, ...]:
-    """The slots ``klass`` declares, under the names they are stored by (``__x`` becomes ``_Klass__x``)."""
-    slots = klass.__dict__.get("__slots__", ())
-    names = (slots,) if isinstance(slots, str) else tuple(slots)
-    private = "_" + klass.__name__.lstrip("_")
-    return tuple(
-        private + name if name.startswith("__") and not name.endswith("__") else name
-        for name in names
-        if name not in ("__dict__", "__weakref__")
-    )
-
-
-def _object_entry(aux: tuple[Any, ...], i: int) -> str:
-    _, names, in_state, keys, _ = aux
-    n = len(names)
-    if i < n:
-        return f".{names[i]}"
-    if i < n + len(in_state):
-        return f".{in_state[i - n]}"
-    i -= n + len(in_state)
-    return f"[{keys[i]!r}]" if keys is not None else f"[{i}]"
-
-
-def _object_keys(aux: tuple[Any, ...]) -> list[Any]:
-    _, names, in_state, keys, _ = aux
-    return [*(_NO_KEY,) * (len(names) + len(in_state)), *(keys or ())]
-
-
-def _container_base(tp: type) -> type | None:
-    for base in _BASES:
-        if issubclass(tp, base):
-            return base
-    return None
-
-
-_BASES = (collections.defaultdict, collections.OrderedDict, dict, list)
-# Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved
-# through those attributes, which keeps the inner container's own type (an OrderedDict ``data``).
-_IN_ATTRIBUTES = (collections.UserDict, collections.UserList, collections.ChainMap)
 # Mappings whose items are weak references: rebuilt around new tensors, they would drop them at once.
 _WEAK = (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)
 
@@ -462,7 +290,10 @@ _MAPPING_PACKED = _MAPPING._replace(unflatten=_mapping_deferred)
 
 _lock = threading.Lock()
 _registry: dict[type, Kind] = {}  # the rule of each registered type
-_kinds: dict[type, Kind] = {}
+# Each type's rule, by the type's id: a type is held weakly (``_refs``), and its entry goes when it dies,
+# so classes made per batch (a namedtuple defined in a function) die with their batch.
+_kinds: dict[int, Kind] = {}
+_refs: dict[int, weakref.ref[type]] = {}
 _generation = [0]  # bumped by every registration change
 
 
@@ -500,9 +331,9 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
 
     ``flatten(obj)`` returns ``(children, aux)``: the values to move and whatever else is needed to
     rebuild the object; ``unflatten(aux, children)`` builds the object back from moved children.
-    This is optree's convention, and the registration lives in todevice's own optree namespace
-    (``"todevice"``), so optree and torch pytree behave as before for every other library.
-    Registration is by exact type, takes precedence over every built-in rule and is thread-safe.
+    This is optree's convention. The registration is todevice's own: optree and torch pytree behave as
+    before for every other library. Registration is by exact type, takes precedence over every
+    built-in rule (and over a registration of the same type with torch pytree or optree) and is thread-safe.
 
     Example:
         >>> import torch, todevice
@@ -541,13 +372,9 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
                 f"Call todevice.unregister({cls.__qualname__}) first to replace it."
             )
             raise ValueError(msg)
-        with warnings.catch_warnings():
-            # optree warns when a namespace overrides its namedtuple rule; here that is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
         _registry[cls] = Kind(NODE, _registered_flatten(flatten), _registered_unflatten(unflatten), _registered_entry)
         _generation[0] += 1
-        _kinds.clear()
+        _forget_all()
 
 
 def unregister(cls: type, /) -> None:
@@ -570,10 +397,9 @@ def unregister(cls: type, /) -> None:
             name = getattr(cls, "__qualname__", repr(cls))
             msg = f"Cannot unregister {name}: it is not registered with todevice."
             raise ValueError(msg)
-        optree.unregister_pytree_node(cls, namespace=NAMESPACE)
         del _registry[cls]
         _generation[0] += 1
-        _kinds.clear()
+        _forget_all()
 
 
 # ---------------------------------------------------------------- classification
@@ -586,12 +412,12 @@ def _deferred_flatten(d: Deferred) -> tuple[list[Any], Deferred]:
 def _deferred_unflatten(d: Deferred, children: list[Any]) -> Any:
     if d.unflatten is not None:
         return d.unflatten(d.aux, children)
-    reg = _registry.get(d.cls)
+    reg = _registry.get(d.cls) or _pytree_kind(d.cls)
     if reg is None:
         name = d.cls.__qualname__
         msg = (
-            f"Cannot unpack a {name}: it was registered with todevice.register() where it was packed, "
-            f"but not here. Register {name} in this process too."
+            f"Cannot unpack a {name}: it was registered (with todevice.register(), torch pytree or optree) where "
+            f"it was packed, but not here. Register {name} in this process too."
         )
         raise TypeError(msg)
     return reg.unflatten(d.aux, children)  # type: ignore[misc]
@@ -629,6 +455,24 @@ def to_takes(tp: type, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
+def _pytree_kind(tp: type) -> Kind | None:
+    """The rule of a type registered with ``torch.utils._pytree`` (torch.export, Hugging Face's ModelOutput) or in
+    optree's global namespace: moved through that flatten and unflatten, packed like a type registered here."""
+    node = _pytree.SUPPORTED_NODES.get(tp)
+    if node is not None:
+        rebuild = node.unflatten_fn  # torch's order: (children, context)
+        return Kind(NODE, _registered_flatten(node.flatten_fn), lambda aux, ch: rebuild(ch, aux[0]), _registered_entry)
+    entry: Any = optree.register_pytree_node.get(tp)  # optree's own convention is todevice.register()'s
+    if entry is not None:
+        return Kind(
+            NODE,
+            _registered_flatten(entry.flatten_func),
+            _registered_unflatten(entry.unflatten_func),
+            _registered_entry,
+        )
+    return None
+
+
 def _classify(tp: type) -> Kind:
     if tp is Slot or tp is AliasSlot:
         return Kind(SLOT)
@@ -656,6 +500,9 @@ def _classify(tp: type) -> Kind:
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
         return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry)
+    foreign = _pytree_kind(tp)
+    if foreign is not None:
+        return foreign
     if dataclasses.is_dataclass(tp) or _container_base(tp) is not None or issubclass(tp, _IN_ATTRIBUTES):
         return _object_kind(tp)
     if issubclass(tp, _WEAK):
@@ -665,14 +512,9 @@ def _classify(tp: type) -> Kind:
     return Kind(UNKNOWN)
 
 
-# Types classified, at most this many: classes made per batch (a namedtuple or dataclass defined in a
-# function) would otherwise stay alive here forever.
-_KINDS_KEPT = 4096
-
-
 def kind_of(tp: type) -> Kind:
     """The cached classification of ``tp``."""
-    kind = _kinds.get(tp)
+    kind = _kinds.get(id(tp))
     if kind is None:
         # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which
         # could call back into todevice. A registration made meanwhile makes the answer stale, so
@@ -680,11 +522,27 @@ def kind_of(tp: type) -> Kind:
         generation = _generation[0]
         kind = _classify(tp)
         with _lock:
-            if _generation[0] == generation:
-                if len(_kinds) >= _KINDS_KEPT:
-                    _kinds.clear()
-                _kinds[tp] = kind
+            if _generation[0] == generation and id(tp) not in _refs:
+                # The callback runs as the type is freed, before its id can name another type.
+                _refs[id(tp)] = weakref.ref(tp, functools.partial(_forget, id(tp)))
+                _kinds[id(tp)] = kind
     return kind
+
+
+def _forget(key: int, ref: weakref.ref[type]) -> None:
+    """A classified type died: its rule goes with it (unless the cache was cleared and refilled since).
+
+    No lock: it runs wherever the collector frees the type, which may be inside ``kind_of``'s own lock.
+    Nothing else writes ``key`` meanwhile: no other type has this id until this one is freed.
+    """
+    if _refs.get(key) is ref:
+        _refs.pop(key, None)
+        _kinds.pop(key, None)
+
+
+def _forget_all() -> None:  # under the lock: a registration changed, so every rule is worked out again
+    _refs.clear()
+    _kinds.clear()
 
 
 def kind_for_packing(tp: type) -> Kind:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
