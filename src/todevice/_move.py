@@ -386,7 +386,7 @@ def _to_object(obj: Any, s: State) -> Any:
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])
-    if _tree.kind_of(type(obj)) is _tree.TO_MAPPING:  # what its .to() left: containers in it, and keys to skip
+    if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
         out = _walk.rest_of_mapping(obj, out, p.skip, lambda v: _careful(v, s))
     if held:
         s.waits.update(held)

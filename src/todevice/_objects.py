@@ -30,6 +30,7 @@ class Kind(NamedTuple):
     unflatten: Unflatten | None = None
     entry: Callable[[Any, int], str] | None = None
     keys: Callable[[Any], Sequence[Any]] | None = None  # a mapping's key of each child (``_NO_KEY`` for none)
+    takes: frozenset[str] = frozenset()  # of an object with its own .to(): the keywords its .to() takes
 
 
 _NO_KEY: Any = object()  # the key of a child that is not a mapping's item (a dataclass field, say)
@@ -64,7 +65,8 @@ def _object_kind(tp: type) -> Kind:
     ``__getattr__`` or ``__setattr__`` of the class. The copy is never passed through ``__init__``,
     ``__new__`` or ``__setitem__`` written in Python: the constructor of a subclass may want other
     arguments, and frozen dataclasses refuse setattr. Its aux data is (source, attributes set
-    directly, attributes in ``__dict__``, dict keys, attributes that are items).
+    directly, attributes in ``__dict__``, dict keys, attributes that are items). The copy's type is the source's:
+    the rule never holds ``tp``, so that the cache, which holds rules, lets a class made per batch die.
     """
     fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
     base = _container_base(tp)
@@ -85,7 +87,7 @@ def _object_kind(tp: type) -> Kind:
             return list(state.values()), (obj, (), list(state), None, None)
 
         def unflatten_plain(aux: tuple[Any, tuple[str, ...], list[str], None, None], children: list[Any]) -> Any:
-            out = new(tp)
+            out = new(type(aux[0]))
             _get(out, "__dict__").update(zip(aux[2], children))
             return out
 
@@ -131,7 +133,7 @@ def _object_kind(tp: type) -> Kind:
 
     def unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
         src, names, in_state, keys, mirrors = aux
-        out = new(tp)
+        out = new(type(src))
         n = len(names)
         for name, value in zip(names, children):
             object.__setattr__(out, name, value)

@@ -437,22 +437,28 @@ def _deferred_mapping_unflatten(d: Deferred, children: list[Any]) -> Any:
 _DEFERRED_MAPPING = Kind(NODE, _deferred_flatten, _deferred_mapping_unflatten, _deferred_entry, lambda d: d.aux[1])
 
 
-# An object with its own .to() that is also a mapping (a BatchEncoding): finished as a mapping after its .to().
-TO_MAPPING = Kind(TO, keys=list)
-
-
 def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
 
 
-@functools.lru_cache(maxsize=1024)
-def to_takes(tp: type, name: str) -> bool:
-    """Whether ``tp.to`` takes the keyword ``name``, by its signature; True where it has none (a C method)."""
+def _to_kind(tp: type) -> Kind:
+    """The rule of an object with its own ``.to()``: the keywords of move() that its ``.to()`` takes, by its signature
+    (all where it has none: a C method), and ``keys`` set where it is a mapping (a BatchEncoding), which is finished
+    as one after its ``.to()``."""
     try:
         params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
+        takes = frozenset(n for n in _TO_KEYWORDS if any(p.name == n or p.kind is p.VAR_KEYWORD for p in params))
     except (TypeError, ValueError):
-        return True
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+        takes = _TO_KEYWORDS
+    return Kind(TO, keys=list if issubclass(tp, collections.abc.Mapping) else None, takes=takes)
+
+
+_TO_KEYWORDS = frozenset({"non_blocking", "dtype"})
+
+
+def to_takes(tp: type, name: str) -> bool:
+    """Whether ``tp.to`` takes the keyword ``name`` (``"non_blocking"`` or ``"dtype"``)."""
+    return name in kind_of(tp).takes
 
 
 def _pytree_kind(tp: type) -> Kind | None:
@@ -495,7 +501,7 @@ def _classify(tp: type) -> Kind:
     if callable(getattr(tp, "_todevice_move_", None)):
         return Kind(OWN)
     if _has_to(tp):
-        return TO_MAPPING if issubclass(tp, collections.abc.Mapping) else Kind(TO)
+        return _to_kind(tp)
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result

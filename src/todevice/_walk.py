@@ -475,7 +475,7 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
     tp = type(obj)
     casts: dict[str, torch.dtype] = {}
     if dtype is not None and _holds_floating(obj):
-        if not _tree.to_takes(tp, "dtype"):  # type: ignore[arg-type]  # types hash
+        if not _tree.to_takes(tp, "dtype"):
             msg = (
                 f"its .to() takes no dtype, and it holds floating-point tensors that dtype={dtype} would cast. "
                 f"Cast them yourself, or move it without dtype= (skip_keys can leave it out)."
@@ -484,7 +484,7 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
         casts["dtype"] = dtype
     target = copy_for_to(obj)
     try:
-        if _tree.to_takes(tp, "non_blocking"):  # type: ignore[arg-type]  # types hash
+        if _tree.to_takes(tp, "non_blocking"):
             try:
                 out = target.to(dev, non_blocking=non_blocking, **casts)
             except TypeError as err:
