@@ -600,3 +600,15 @@ def test_compare_refuses_a_device_not_here_up_front() -> None:
 def test_compare_refuses_a_helper_that_is_not_callable_before_any_search() -> None:
     with pytest.raises(TypeError, match="compare\\(\\) takes your helper"):
         compare("not a function")  # type: ignore[arg-type]
+
+
+def test_the_module_exports_its_functions_and_keeps_the_sample_classes_importable() -> None:
+    import todevice.testing as testing
+
+    assert set(testing.__all__) == {
+        "DTYPES", "KINDS", "batches", "tensors", "Mismatch", "Report", "assert_moved", "compare"
+    }  # fmt: skip
+    assert all(callable(getattr(testing, name)) or name in ("DTYPES", "KINDS") for name in testing.__all__)
+    from todevice.testing import FrozenMapping, Pair, Record, TaggedDict  # what a printed example names
+
+    assert Pair._fields == ("a", "b") and issubclass(TaggedDict, dict) and FrozenMapping and Record
