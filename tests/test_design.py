@@ -120,3 +120,13 @@ def test_no_module_runs_past_700_lines(path: Path) -> None:
     if path.name == "_bench.py":
         pytest.skip("the benchmarks, shipped for python -m todevice bench, are not the engine")
     assert len(path.read_text().splitlines()) <= 700
+
+
+def test_move_has_five_exits_each_named_in_its_body() -> None:
+    """A reader follows move() by its exits: compiled, into static buffers, a bare tensor, the fast gate, the walks."""
+    tree = ast.parse(inspect.getsource(_move))
+    (fn,) = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "move"]
+    assert len([node for node in ast.walk(fn) if isinstance(node, ast.Return)]) == 5
+    body = inspect.getsource(_move).splitlines()[fn.lineno : fn.end_lineno]
+    for n in range(1, 6):  # each exit, or the branch that leads to it, says which it is
+        assert sum(f"# {n}. " in line for line in body) == 1, f"exit {n} is not named once"

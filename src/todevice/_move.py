@@ -149,7 +149,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
     # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the host
     # the first walk only records its copies, and a batch found to repeat one is walked again with the
     # memo, reusing them: a repeated tensor may be copied twice, in host memory. On an accelerator that
-    # copy would hold device memory: there the careful walk (or _flat, which checks first) is the one.
+    # copy would hold device memory: there the careful walk (or _gate, which checks first) is the one.
     careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
     walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
     return Plan(dev, non_blocking, dtype, keep, to, alone, one, walk, careful, not host, gathers, stage, to_host, skip)
@@ -474,18 +474,14 @@ def move(
 
     .. versionadded:: 0.1.0
     """
-    if out is not None:
-        if _compiling():  # under torch.compile: see _traced.compiled
-            return _traced.compiled(  # type: ignore[no-any-return]
-                obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
-                coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys, out=out,
-            )  # fmt: skip
+    if _compiling():  # 1. under torch.compile: one traced copy per tensor (out= between two graphs)
+        return _traced.compiled(  # type: ignore[no-any-return]
+            obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
+            coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys, out=out,
+        )  # fmt: skip
+    if out is not None:  # 2. into static buffers, every pair checked first
         opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
         return _into.into(obj, out, device, *opts)  # type: ignore[no-any-return]
-    if _compiling():
-        # Under torch.compile, before anything else: dynamo traces this call and then per-leaf copies, also where it
-        # compiles this frame on its own (after a graph break in its caller). See _traced.compiling.
-        return _traced.compiled(obj, device, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=skip_keys)  # type: ignore[no-any-return]
     if non_blocking is not True and non_blocking is not False:  # 1 would find True's plan: refused on every call
         _options.check_bool(non_blocking, "non_blocking")  # type: ignore[unreachable]  # typed bool, any value at run time
     try:
@@ -497,32 +493,36 @@ def move(
     if coalesce is not None:
         _options.check_coalesce(coalesce)
     if stream is None and not strict:
-        if type(obj) is _Tensor:  # a bare tensor: nothing to walk, alias or coalesce
+        if type(obj) is _Tensor:  # 3. a bare tensor: nothing to walk, alias or coalesce
             return p.one(obj)  # type: ignore[arg-type,return-value]
-        if p.walk is not None and (p.gathers or not coalesce):  # to the host
-            return _host(obj, p, p.walk, coalesce is not False, coalesce_max_bytes)  # type: ignore[no-any-return]
-        if p.sends and not coalesce:
-            out = _flat(obj, p, coalesce)
-            if out is not None:
-                return out
+        if p.sends and not coalesce:  # 4. the fast gate: a plain dict, list or tuple of a few tensors, sent
+            done = _gate(obj, p, coalesce)
+            if done is not None:
+                return done  # type: ignore[no-any-return]
+    return _general(obj, p, coalesce, coalesce_max_bytes, stream, strict)  # type: ignore[no-any-return]  # 5. the walks
+
+
+def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: Any, strict: bool) -> Any:
+    """To the host, the optimistic walk first; else the careful one, coalesced as planned, on ``stream`` if given."""
+    if stream is None and not strict and p.walk is not None and (p.gathers or not coalesce):
+        return _host(obj, p, p.walk, coalesce is not False, max_bytes)
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
     if stream is None:
-        out = _batch(obj, s, coalesce, coalesce_max_bytes)
+        out = _batch(obj, s, coalesce, max_bytes)
     else:
         _stream.check_stream(stream)
-        out, user = _on_stream(obj, s, stream, coalesce, coalesce_max_bytes)
+        out, user = _on_stream(obj, s, stream, coalesce, max_bytes)
         _stream.hand_over(stream, user, s.outputs())
     s.finish()
     return out
 
 
-def _flat(obj: Any, p: Plan, coalesce: bool | None, s: State | None = None) -> Any:
+def _gate(obj: Any, p: Plan, coalesce: bool | None, s: State | None = None) -> Any:
     """To an accelerator, in one pass, a plain dict, list or tuple with under COALESCE_MIN_TENSORS tensors to copy (any
-    number with coalesce=False), none repeated or sharing memory: each copied alone as _layout.sending plans it,
-    straight or past the driver's limit through one pinned buffer; else None. On a side stream (``s``), host tensors
-    only, their copies recorded in ``s``."""
+    number with coalesce=False), none repeated or sharing memory, each copied alone as _layout.sending plans; else None.
+    On a side stream (``s``), host tensors only, their copies recorded in ``s``."""
     tp = type(obj)
     values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
     least = _layout.COALESCE_MIN_TENSORS if coalesce is None else len(values) + 1
@@ -692,7 +692,7 @@ def _on_stream(
     entered = _stream.enter_stream(stream, s.plan.dev)
     s.streams = (entered.user, stream)
     try:
-        out = _flat(obj, s.plan, coalesce, s) if s.plan.sends and not coalesce else None
+        out = _gate(obj, s.plan, coalesce, s) if s.plan.sends and not coalesce else None
         return (_batch(obj, s, coalesce, max_bytes) if out is None else out), entered.user
     finally:
         _stream.leave_stream(entered)
