@@ -352,13 +352,13 @@ def one_buffer_static(example: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many times out='s full check runs."""
     ran: list[int] = []
-    real = _into._check
+    real = _into._check_pairs
 
     def counted(*args: Any) -> Any:
         ran.append(1)
         return real(*args)
 
-    monkeypatch.setattr(_into, "_check", counted)
+    monkeypatch.setattr(_into, "_check_pairs", counted)
     _into._checked.clear()
     return ran
 

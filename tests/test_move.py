@@ -78,7 +78,7 @@ def test_aliases_and_shared_memory_survive(tree: Any) -> None:
 def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
     """The stack-based walk used past Python's recursion limit agrees with the fast walk."""
     p = _move.plan(META, True, None)
-    helpers.assert_same_tree(p.careful.walk_iteratively(tree, _move.State(p)), todevice.move(tree, "meta"))
+    helpers.assert_same_tree(p.memo_walk.walk_iteratively(tree, _move.State(p)), todevice.move(tree, "meta"))
 
 
 # ---------------------------------------------------------------- the corpus, case by case

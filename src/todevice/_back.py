@@ -40,7 +40,7 @@ def brought(obj: Any, max_bytes: int) -> Any:
         return None
     tensors: list[torch.Tensor] = []
     try:
-        if not _plain(obj, tensors) or len(tensors) < 2:
+        if not _only_plain(obj, tensors) or len(tensors) < 2:
             return None
     except RecursionError:  # deep or cyclic: the general way goes on on a stack, or says which
         return None
@@ -68,7 +68,7 @@ _requires_grad = _layout.requires_grad
 _DEPTH_MAX = 100  # containers deep: the rebuild recurses too, two frames a level; deeper batches take the general way
 
 
-def _plain(x: Any, tensors: list[torch.Tensor], depth: int = 0) -> bool:
+def _only_plain(x: Any, tensors: list[torch.Tensor], depth: int = 0) -> bool:
     """Whether ``x`` (a dict, list or tuple) holds only plain containers, tensors and atoms, at most ``_DEPTH_MAX``
     deep; its tensors appended."""
     if depth > _DEPTH_MAX:
@@ -82,7 +82,7 @@ def _plain(x: Any, tensors: list[torch.Tensor], depth: int = 0) -> bool:
         if tp is _Tensor:
             tensors.append(v)
         elif tp is dict or tp is list or tp is tuple:
-            if not _plain(v, tensors, depth + 1):
+            if not _only_plain(v, tensors, depth + 1):
                 return False
         elif tp not in _ATOMS:
             return False

@@ -68,12 +68,12 @@ def into(
     else:
         found = pairs(batch, out, skip)
         sources, targets = found[0::2], found[1::2]
-    if dtype is None and coalesce is not False and _again(sources, targets, dev, non_blocking, max_bytes):
+    if dtype is None and coalesce is not False and _verified(sources, targets, dev, non_blocking, max_bytes):
         return out
-    read = _check(sources, targets, out, dev, dtype)
+    read = _check_pairs(sources, targets, out, dev, dtype)
     sources = _read_first(sources, targets, read, out)
     with torch.no_grad():
-        _copy(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
+        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
     if dtype is None and coalesce is not False:
         _remember(sources, targets, read, non_blocking, max_bytes)
     return out
@@ -132,7 +132,7 @@ def _remember(
     _checked[tuple(map(id, targets))] = found
 
 
-def _again(
+def _verified(
     sources: list[torch.Tensor],
     targets: list[torch.Tensor],
     dev: torch.device | None,
@@ -145,7 +145,7 @@ def _again(
     """
     found = _checked.get(tuple(map(id, targets)))
     try:
-        unchanged = found is not None and _unchanged(found, sources, targets, dev, non_blocking, max_bytes)
+        unchanged = found is not None and _still_holds(found, sources, targets, dev, non_blocking, max_bytes)
     except RuntimeError:  # a sparse tensor has no address or strides
         unchanged = False
     if not unchanged:
@@ -175,7 +175,7 @@ def _again(
     return True
 
 
-def _unchanged(
+def _still_holds(
     found: _Found,
     sources: list[torch.Tensor],
     targets: list[torch.Tensor],
@@ -429,7 +429,7 @@ class _Read(NamedTuple):
     nbytes: list[int]  # the sources'
 
 
-def _check(
+def _check_pairs(
     sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
 ) -> _Read:
     """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written.
@@ -498,7 +498,7 @@ def _fault(
             raise ValueError(msg)
 
 
-def _copy(
+def _write_pairs(
     sources: list[torch.Tensor],
     targets: list[torch.Tensor],
     read: _Read,

@@ -639,7 +639,7 @@ def take(
     skeleton = optimistic.walk(obj, taking)
     tensors = taking.tensors
     try:
-        # A repeated address means a tensor met twice or memory shared, which the careful walk
+        # A repeated address means a tensor met twice or memory shared, which the memo walk
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
         if len(set(map(_data_ptr, tensors))) == len(tensors):

@@ -30,8 +30,8 @@ class Plan(NamedTuple):
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor, straight from where it is
     alone: Callable[[torch.Tensor], torch.Tensor]  # the copy of a tensor sent by itself, staged where it pays
     one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
-    walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
-    careful: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
+    host_walk: _walk.Walk | None  # on the host, the optimistic first walk; its state is a list of (source, copy) pairs
+    memo_walk: _walk.Walk  # the walk with a memo of every tensor (its state a State), for anything else
     sends: bool  # to an accelerator: what the batch holds decides what is coalesced and staged (_layout.sending)
     gathers: bool  # to the CPU: coalesced by default, gathering accelerator tensors on their devices first
     stage: bool  # pageable tensors may cross through pinned memory: non_blocking, to an accelerator but MPS
@@ -39,7 +39,7 @@ class Plan(NamedTuple):
     skip: frozenset[Any]  # the keys whose items stay as they are
 
 
-class _Careful(Exception):  # the optimistic walk met an object that only the careful walk moves
+class _NeedsMemo(Exception):  # the optimistic walk met an object that only the memo walk moves
     pass
 
 
@@ -49,11 +49,11 @@ class _Gather(Exception):  # a move to the CPU met a tensor off the host, which 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
     """The optimistic walk's other leaves: unknown objects (with a warning where they hold tensors) and modules
-    stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the careful walk takes over."""
+    stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over."""
     if code == _tree.UNKNOWN:
         _walk.left_behind(x)
     elif code != _tree.MODULE:
-        raise _Careful
+        raise _NeedsMemo
     return x
 
 
@@ -118,7 +118,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
         try:
             out = t.to(dev) if plain else to(t)
         except RecursionError:
-            raise  # deep nesting: the careful walk goes on on a stack
+            raise  # deep nesting: the memo walk goes on on a stack
         except Exception as err:
             raise LeafError(t, err) from err
         rec.append(t)
@@ -136,23 +136,25 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
             if seen is not None:
                 prior: torch.Tensor = seen[1]
                 return prior
-            out = _copy(t, s)
+            out = _copied(t, s)
             s.memo[id(t)] = (t, out)
             return out
         entries = s.by_ptr.get(ptr)
         if entries is None:  # the common case: the first tensor at this address
-            out = _copy(t, s)
+            out = _copied(t, s)
             s.by_ptr[ptr] = [(t, out)]
             return out
-        return _again(t, entries, s)
+        return _same_address(t, entries, s)
 
     # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the host
     # the first walk only records its copies, and a batch found to repeat one is walked again with the
     # memo, reusing them: a repeated tensor may be copied twice, in host memory. On an accelerator that
-    # copy would hold device memory: there the careful walk (or _gate, which checks first) is the one.
-    careful = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _held)
-    walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
-    return Plan(dev, non_blocking, dtype, keep, to, alone, one, walk, careful, not host, gathers, stage, to_host, skip)
+    # copy would hold device memory: there the memo walk (or _gate, which checks first) is the one.
+    memo_walk = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _skipped_item)
+    host_walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
+    return Plan(
+        dev, non_blocking, dtype, keep, to, alone, one, host_walk, memo_walk, not host, gathers, stage, to_host, skip
+    )
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -182,7 +184,7 @@ def _with_options(p: Plan, skip_keys: Any, max_bytes: Any) -> Plan:
     return plan(p.dev, p.non_blocking, p.dtype, skip) if skip else p
 
 
-def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
+def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
     """``t`` moved and recorded: the copy an optimistic walk made of it already, or a new one."""
     out = s.made.get(id(t))
     if out is None:
@@ -200,7 +202,7 @@ def _copy(t: torch.Tensor, s: State) -> torch.Tensor:
 
 
 class State:
-    """One careful move's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
+    """One memo walk's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
 
     Every copy is appended to ``sources`` and ``results``. ``by_ptr`` maps a data_ptr to the (source, result) pairs
     at that address (aliasing, and distinct tensors over the same memory), and tensors at address 0 and objects go
@@ -259,7 +261,7 @@ def _order(t: torch.Tensor, s: State) -> None:
 
 
 def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> Any:
-    """A move to the host: the optimistic walk, then the careful one where needed, or coalesced (``gather``)."""
+    """A move to the host: the optimistic walk, then the memo one where needed, or coalesced (``gather``)."""
     rec: list[torch.Tensor] = []  # source, copy, source, copy, ...
     try:
         out = walk.walk(obj, rec)
@@ -267,7 +269,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         _walk.explain(failure, obj, p.dev, skip=p.skip)
     except _Gather:
         if not gather:
-            return _carefully(obj, p, rec)
+            return _walk_again(obj, p, rec)
         if not p.skip and p.dtype is None:  # plain dicts, lists and tuples of device tensors: one look, one copy
             out = _back.brought(obj, max_bytes)
             if out is not None:
@@ -276,18 +278,18 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         out = _batch(obj, s, True, max_bytes)
         s.finish()
         return out
-    except (_Careful, RecursionError):  # an object the careful walk moves, or deep nesting
-        return _carefully(obj, p, rec)
+    except (_NeedsMemo, RecursionError):  # an object the memo walk moves, or deep nesting
+        return _walk_again(obj, p, rec)
     if len(rec) > 2 and not _layout.distinct(rec[::2]):  # a tensor met twice, or two over one memory
-        return _carefully(obj, p, rec)
+        return _walk_again(obj, p, rec)
     if p.to_host and rec:
         _wait_for(rec[::2])
     return out
 
 
-def _carefully(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an optimistic walk, reusing its copies
+def _walk_again(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an optimistic walk, reusing its copies
     s = State(p, _made(rec))
-    out = _run(obj, s, obj)
+    out = _walked(obj, s, obj)
     s.finish()
     return out
 
@@ -296,22 +298,22 @@ def _made(rec: list[torch.Tensor]) -> dict[int, torch.Tensor]:  # an optimistic 
     return dict(zip(map(id, rec[-2::-2]), rec[::-2]))
 
 
-def _run(x: Any, s: State, original: Any) -> Any:  # the careful walk over x; errors name paths in original
+def _walked(x: Any, s: State, original: Any) -> Any:  # the memo walk over x; errors name paths in original
     try:
-        return _careful(x, s)
+        return _memo_walk(x, s)
     except LeafError as failure:
         _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
 
 
-def _careful(x: Any, s: State) -> Any:  # the careful walk over x, on a stack past Python's recursion limit
+def _memo_walk(x: Any, s: State) -> Any:  # the memo walk over x, on a stack past Python's recursion limit
     try:
-        return s.plan.careful.walk(x, s)
+        return s.plan.memo_walk.walk(x, s)
     except RecursionError as err:
         _walk.refuse_cycles(x, err, skip=s.plan.skip)
-        return s.plan.careful.walk_iteratively(x, s)
+        return s.plan.memo_walk.walk_iteratively(x, s)
 
 
-def _again(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s: State) -> torch.Tensor:
+def _same_address(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s: State) -> torch.Tensor:
     """Another tensor over an address moved already: the same tensor, tied memory, or another view."""
     for src, done in entries:
         if src is t:
@@ -326,12 +328,12 @@ def _again(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s:
             s.sources.append(t)
             s.results.append(out)
             return out
-    out = _copy(t, s)
+    out = _copied(t, s)
     entries.append((t, out))
     return out
 
 
-def _held(x: Any, s: State) -> Any:
+def _skipped_item(x: Any, s: State) -> Any:
     """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
     batch = s.packed
     if batch is None:
@@ -343,7 +345,7 @@ def _held(x: Any, s: State) -> Any:
             views[k] = views[k].requires_grad_()
         filling = s.filling = State(plan(batch.buffer.device, False, None))  # loose tensors there stay
         filling.views, filling.aliases = views, {}
-    return _careful(x, filling)
+    return _memo_walk(x, filling)
 
 
 def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: its tensor
@@ -377,7 +379,7 @@ def _to_object(obj: Any, s: State) -> Any:
     if hit is not None:
         return hit[1]
     p = s.plan
-    held = _walk.devices_held(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
+    held = _walk.devices_inside(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
     if streams is not None:
         _stream.set_stream(streams[0])
@@ -387,7 +389,7 @@ def _to_object(obj: Any, s: State) -> Any:
         if streams is not None:
             _stream.set_stream(streams[1])
     if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
-        out = _walk.rest_of_mapping(obj, out, p.skip, lambda v: _careful(v, s))
+        out = _walk.rest_of_mapping(obj, out, p.skip, lambda v: _memo_walk(v, s))
     if held:
         s.waits.update(held)
     s.memo[id(obj)] = (obj, out)
@@ -503,9 +505,9 @@ def move(
 
 
 def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: Any, strict: bool) -> Any:
-    """To the host, the optimistic walk first; else the careful one, coalesced as planned, on ``stream`` if given."""
-    if stream is None and not strict and p.walk is not None and (p.gathers or not coalesce):
-        return _host(obj, p, p.walk, coalesce is not False, max_bytes)
+    """To the host, the optimistic walk first; else the memo one, coalesced as planned, on ``stream`` if given."""
+    if stream is None and not strict and p.host_walk is not None and (p.gathers or not coalesce):
+        return _host(obj, p, p.host_walk, coalesce is not False, max_bytes)
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
@@ -566,11 +568,11 @@ def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
     if p.gathers and coalesce is not False:
         taken = _taken(obj, s, max_bytes)
         if taken is None or len(taken.tensors) < 2:  # a single tensor goes alone
-            return _run(obj, s, obj)
-        return _filled(taken, s, obj, lambda: _gathered(s, taken))
+            return _walked(obj, s, obj)
+        return _filled(taken, s, obj, lambda: _gathered_back(s, taken))
     if p.sends or coalesce:
         return _sent(obj, s, coalesce, max_bytes)
-    return _run(obj, s, obj)
+    return _walked(obj, s, obj)
 
 
 def _taken(obj: Any, s: State, max_bytes: int) -> _layout.Taken | None:
@@ -590,7 +592,7 @@ def _filled(taken: _layout.Taken, s: State, obj: Any, views: Callable[[], list[t
         s.views, s.aliases = views(), {}
     except LeafError as failure:  # from a tensor copied alone
         _walk.explain(failure, obj, s.plan.dev, skip=s.plan.skip)
-    return _run(taken.skeleton, s, obj)
+    return _walked(taken.skeleton, s, obj)
 
 
 def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
@@ -600,16 +602,16 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
     p = s.plan
     taken = _taken(obj, s, max_bytes)
     if taken is None:
-        return _run(obj, s, obj)
+        return _walked(obj, s, obj)
     small, alone = taken.tensors, taken.alone
     how = _layout.sending(len(small), taken.layout.nbytes, len(alone), sum(map(_layout.nbytes, alone)), coalesce)
     s.planned = bool(small or alone)  # else a PackedBatch's loose tensors: each staged by itself where it pays
     if how.staged and p.stage:
         s.made.update(_layout.stage(alone if how.together else [*small, *alone], p.dev, p.dtype))
     if not small:
-        return _run(obj, s, obj)
+        return _walked(obj, s, obj)
     if not how.together:
-        return _filled(taken, s, obj, lambda: [_copy(t, s) for t in small])
+        return _filled(taken, s, obj, lambda: [_copied(t, s) for t in small])
     views: list[torch.Tensor] = []
     for part, lay in _layout.parts(small, taken.layout, p.dtype):  # bounded: what one kept tensor holds alive
         staging = _layout.staging(lay.nbytes, p.dev)
@@ -618,7 +620,7 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
     return _filled(taken, s, obj, lambda: views)
 
 
-def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
+def _gathered_back(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
     """The taken tensors, off the host, copied to it: one buffer gathered per accelerator, one copy each."""
     tensors = taken.tensors
     by_device: dict[torch.device, list[int]] = {dev: [] for dev in set(map(_layout.device_of, tensors))}
@@ -629,7 +631,7 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
     for dev, indices in by_device.items():
         picked = _layout.pick(tensors, indices) if len(by_device) > 1 else tensors
         if len(picked) == 1 or not _stream.is_accelerator(dev):  # alone, or meta: each copied as it is
-            got = [_copy(t, s) for t in picked]
+            got = [_copied(t, s) for t in picked]
         else:
             lay = taken.layout
             if len(by_device) > 1:
@@ -639,7 +641,7 @@ def _gathered(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
             try:
                 buffer = _layout.gathered(picked, lay, dev)
             except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
-                got = [_copy(t, s) for t in picked]
+                got = [_copied(t, s) for t in picked]
             else:
                 host = _layout.landed(buffer)
                 got = _layout.read(host, lay, s.plan.dtype, made=s.buffers)

@@ -186,7 +186,7 @@ class PackedBatch:
         outer = s.views, s.aliases, s.packed, s.filling
         s.views, s.aliases, s.packed, s.filling = views, {}, self, None
         try:
-            out = _move._careful(skeleton, s)
+            out = _move._memo_walk(skeleton, s)
         except _walk.LeafError as failure:  # the walk the batch is in names the path
             raise failure.within(self, skeleton, s.plan.skip) from None
         finally:
@@ -230,7 +230,7 @@ class PackedBatch:
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
         # move(batch, device, coalesce=False), without walking to the batch.
         s = _move.State(_move._plan_for("cpu" if device is None else device, non_blocking, None))
-        out = _move._run(self, s, self)
+        out = _move._walked(self, s, self)
         s.finish()
         return out
 

@@ -43,7 +43,7 @@ def _invalid(device: object, why: str, verb: str = "move to") -> ValueError:
     return ValueError(msg)
 
 
-def _check(device: object, verb: str = "move to") -> torch.device:
+def _device_arg(device: object, verb: str = "move to") -> torch.device:
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         msg = (
             f"Cannot {verb} device {device!r}: expected a str, an int or a torch.device, "
@@ -99,7 +99,7 @@ def checked_device(device: DeviceLike, verb: str) -> torch.device:
     try:
         return resolve_device(device)
     except (TypeError, ValueError):
-        _check(device, verb)  # raises the same error, with the verb
+        _device_arg(device, verb)  # raises the same error, with the verb
         raise
 
 
@@ -114,7 +114,7 @@ def resolve_device(device: DeviceLike) -> torch.device:
     try:
         dev, current = _resolved[key]
     except (KeyError, TypeError):
-        dev = _check(device)  # raises for an unhashable device, so the key below is hashable
+        dev = _device_arg(device)  # raises for an unhashable device, so the key below is hashable
         if dev.type == "cpu":
             dev = torch.device("cpu")
         index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"

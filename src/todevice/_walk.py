@@ -1,4 +1,4 @@
-"""The one walk over a structure: rebuilt leaf by leaf for move() and pack(), or listed by path.
+"""The walks over a structure: rebuilt leaf by leaf for move() and pack(), or listed by path.
 
 ``make`` builds the walk that rebuilds a structure, from what happens to a tensor (``keep`` and
 ``tensor``) and to any other leaf (``leaf``); the container rules come from ``_tree``. It recurses,
@@ -511,7 +511,7 @@ def _holds_floating(obj: Any) -> bool:
     return False
 
 
-def devices_held(obj: Any, depth: int = 3) -> set[torch.device]:
+def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
     """The accelerators whose memory an object with ``.to()`` holds, as far as its fields, items and
     attributes show, a few levels deep.
 
