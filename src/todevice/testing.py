@@ -38,7 +38,7 @@ import reprlib
 import sys
 import weakref
 from collections.abc import Callable, Collection, Hashable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -728,15 +728,16 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
 
 
-class _Checker:
-    """One assert_moved() call: what each source tensor became, and where."""
+def _fail(path: str, text: str) -> NoReturn:
+    raise AssertionError(f"{_where(path)}: {text}")
 
-    def __init__(self, target: torch.device, dtype: torch.dtype | None, skip: frozenset[str] = frozenset()) -> None:
-        self.target = target
-        self.home = _resolved(target)  # where a tensor is already, to come back as it is
-        self.dtype = dtype
-        self.skip = skip
-        self.packed: list[torch.device] = []  # the buffer's device of each PackedBatch looked into, innermost last
+
+class _Memory:
+    """What assert_moved() checks of the tensors a result holds, beyond each one alone: one result for a source
+    tensor met twice, a result of its own for each distinct source, and results that share memory exactly where
+    their sources do (tied weights)."""
+
+    def __init__(self) -> None:
         self.seen: dict[int, tuple[torch.Tensor, torch.Tensor, str]] = {}  # id(source) -> (source, result, path)
         self.memory: dict[Any, list[tuple[torch.Tensor, torch.Tensor, str]]] = {}
         self.results: dict[int, tuple[torch.Tensor, str]] = {}  # id(result) -> (source, path)
@@ -744,6 +745,95 @@ class _Checker:
         # "overlaps" marks a space where results overlap (their sources do), so that a search walks it all.
         self.spans: dict[Any, tuple[list[int], list[tuple[int, int, torch.Tensor, str]]]] = {}
         self.overlaps: set[Any] = set()
+
+    def fork(self) -> _Memory:
+        other = _Memory()
+        other.seen = dict(self.seen)
+        other.memory = {k: list(v) for k, v in self.memory.items()}
+        other.results = dict(self.results)
+        other.spans = {k: (list(starts), list(entries)) for k, (starts, entries) in self.spans.items()}
+        other.overlaps = set(self.overlaps)
+        return other
+
+    def distinct(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
+        """One result tensor for two distinct source tensors only where those share memory (tied weights)."""
+        other = self.results.setdefault(id(result), (source, path))
+        if other[0] is not source and not _overlap(_span(other[0]), _span(source)):
+            _fail(
+                path,
+                f"expected a tensor of its own, got the very tensor found at {other[1] or 'the top level'}, "
+                f"though the source holds two distinct tensors there: a change to one would change the other.",
+            )
+
+    def own_memory(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
+        """Results over overlapping memory only where their sources overlap too."""
+        span = _span(result)
+        if span is None:
+            return
+        space, start, end = span
+        starts, entries = self.spans.setdefault(space, ([], []))
+        i = bisect.bisect_left(starts, start)
+        found = []
+        j = i
+        while j < len(entries) and entries[j][0] < end:  # starting inside this one
+            found.append(entries[j])
+            j += 1
+        j = i - 1
+        while j >= 0:  # starting before: only the nearest can reach in, unless results overlap here
+            if entries[j][1] > start:
+                found.append(entries[j])
+            elif space not in self.overlaps:
+                break
+            j -= 1
+        own = _span(source)
+        for _, _, other_source, other_path in found:
+            if other_source is not source and not _overlap(_span(other_source), own):
+                _fail(
+                    path,
+                    f"expected a tensor with memory of its own, got one over memory of the tensor at "
+                    f"{other_path or 'the top level'}, though their sources share none: a write to one "
+                    f"would change the other.",
+                )
+        if found:
+            self.overlaps.add(space)
+        starts.insert(i, start)
+        entries.insert(i, (start, end, source, path))
+
+    def shared_memory(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
+        if not source.numel():
+            return
+        key = _address(source)
+        if key is None:
+            return
+        others = self.memory.setdefault(key, [])
+        for other_source, other_result, other_path in others:
+            if _same_view(other_source, source) and _address(other_result) != _address(result):
+                _fail(
+                    path,
+                    f"expected a tensor sharing memory with the one at {other_path or 'the top level'}, "
+                    f"as the source's two tensors do (tied weights); got one with memory of its own.",
+                )
+        others.append((source, result, path))
+
+    def known(self, source: Any) -> int:
+        """0 for a tensor met before (its result is known), 1 for one over memory met before, else 2."""
+        if not isinstance(source, torch.Tensor):
+            return 2
+        if id(source) in self.seen:
+            return 0
+        return 1 if source.numel() and _address(source) in self.memory else 2
+
+
+class _Checker:
+    """One assert_moved() call: the structure, each tensor, and (``_Memory``) what each source tensor became."""
+
+    def __init__(self, target: torch.device, dtype: torch.dtype | None, skip: frozenset[str] = frozenset()) -> None:
+        self.target = target
+        self.home = _resolved(target)  # where a tensor is already, to come back as it is
+        self.dtype = dtype
+        self.skip = skip
+        self.packed: list[torch.device] = []  # the buffer's device of each PackedBatch looked into, innermost last
+        self.mem = _Memory()  # what each source tensor became, and the memory the results read
         # Sets, matched once everything else is checked: by then a set's tensors that also sit
         # elsewhere are known, which tells apart elements that look alike. None: match at once.
         self.sets: list[tuple[list[Any], list[Any], str]] | None = []
@@ -751,11 +841,7 @@ class _Checker:
     def fork(self) -> _Checker:
         other = _Checker(self.target, self.dtype, self.skip)
         other.home, other.packed = self.home, list(self.packed)
-        other.seen = dict(self.seen)
-        other.memory = {k: list(v) for k, v in self.memory.items()}
-        other.results = dict(self.results)
-        other.spans = {k: (list(starts), list(entries)) for k, (starts, entries) in self.spans.items()}
-        other.overlaps = set(self.overlaps)
+        other.mem = self.mem.fork()
         other.sets = None
         return other
 
@@ -765,7 +851,7 @@ class _Checker:
         self.match(sets, [_TRIALS])
 
     def fail(self, path: str, text: str) -> None:
-        raise AssertionError(f"{_where(path)}: {text}")
+        _fail(path, text)
 
     def check(self, result: Any, source: Any, path: str) -> None:
         if isinstance(source, torch.Tensor):
@@ -867,7 +953,7 @@ class _Checker:
         target = self.target
         if not isinstance(result, torch.Tensor):
             self.fail(path, f"expected a tensor on {target}, got {_describe(result)}.")
-        first = self.seen.get(id(source))
+        first = self.mem.seen.get(id(source))
         if first is not None:
             if result is not first[1]:
                 self.fail(
@@ -876,8 +962,8 @@ class _Checker:
                     f"one tensor at both places; got another tensor ({_describe(result)}). Aliasing was lost.",
                 )
             return
-        self.seen[id(source)] = (source, result, path)
-        self.distinct(result, source, path)
+        self.mem.seen[id(source)] = (source, result, path)
+        self.mem.distinct(result, source, path)
         if not _on(result.device, target):
             was = ": it was not moved" if result.device == source.device else ""
             self.fail(path, f"expected a tensor on {target}, got {_describe(result)}{was}.")
@@ -905,80 +991,12 @@ class _Checker:
                 "expected a tensor connected to the source's autograd graph, as .to() gives; got a new leaf, "
                 "through which no gradient flows back to the source.",
             )
-        self.shared_memory(result, source, path)
-        self.own_memory(result, source, path)
+        self.mem.shared_memory(result, source, path)
+        self.mem.own_memory(result, source, path)
         if source.device.type != "meta" and result.device.type != "meta":
             want_values = source.detach().to("cpu", dtype)
             if not _same_values(result.detach().cpu(), want_values):
                 self.fail(path, f"expected the source's values, got others ({_describe(result)}).")
-
-    def distinct(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
-        """One result tensor for two distinct source tensors only where those share memory (tied weights)."""
-        other = self.results.setdefault(id(result), (source, path))
-        if other[0] is not source and not _overlap(_span(other[0]), _span(source)):
-            self.fail(
-                path,
-                f"expected a tensor of its own, got the very tensor found at {other[1] or 'the top level'}, "
-                f"though the source holds two distinct tensors there: a change to one would change the other.",
-            )
-
-    def own_memory(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
-        """Results over overlapping memory only where their sources overlap too."""
-        span = _span(result)
-        if span is None:
-            return
-        space, start, end = span
-        starts, entries = self.spans.setdefault(space, ([], []))
-        i = bisect.bisect_left(starts, start)
-        found = []
-        j = i
-        while j < len(entries) and entries[j][0] < end:  # starting inside this one
-            found.append(entries[j])
-            j += 1
-        j = i - 1
-        while j >= 0:  # starting before: only the nearest can reach in, unless results overlap here
-            if entries[j][1] > start:
-                found.append(entries[j])
-            elif space not in self.overlaps:
-                break
-            j -= 1
-        own = _span(source)
-        for _, _, other_source, other_path in found:
-            if other_source is not source and not _overlap(_span(other_source), own):
-                self.fail(
-                    path,
-                    f"expected a tensor with memory of its own, got one over memory of the tensor at "
-                    f"{other_path or 'the top level'}, though their sources share none: a write to one "
-                    f"would change the other.",
-                )
-        if found:
-            self.overlaps.add(space)
-        starts.insert(i, start)
-        entries.insert(i, (start, end, source, path))
-
-    def shared_memory(self, result: torch.Tensor, source: torch.Tensor, path: str) -> None:
-        if not source.numel():
-            return
-        key = _address(source)
-        if key is None:
-            return
-        others = self.memory.setdefault(key, [])
-        for other_source, other_result, other_path in others:
-            if _same_view(other_source, source) and _address(other_result) != _address(result):
-                self.fail(
-                    path,
-                    f"expected a tensor sharing memory with the one at {other_path or 'the top level'}, "
-                    f"as the source's two tensors do (tied weights); got one with memory of its own.",
-                )
-        others.append((source, result, path))
-
-    def known(self, source: Any) -> int:
-        """0 for a tensor met before (its result is known), 1 for one over memory met before, else 2."""
-        if not isinstance(source, torch.Tensor):
-            return 2
-        if id(source) in self.seen:
-            return 0
-        return 1 if source.numel() and _address(source) in self.memory else 2
 
     def elements(self, results: list[Any], sources: list[Any], path: str) -> None:
         """A set's elements, matched at once, each with the first result element that checks."""
@@ -994,7 +1012,7 @@ class _Checker:
         if not sets:
             return
         (results, sources, path), rest = sets[0], sets[1:]
-        order = sorted(enumerate(sources), key=lambda pair: self.known(pair[1]))
+        order = sorted(enumerate(sources), key=lambda pair: self.mem.known(pair[1]))
         first: list[AssertionError] = []  # the first failure met, on the path tried first: the one shown
 
         def pair(checker: _Checker, k: int, left: list[Any]) -> bool:
