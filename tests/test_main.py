@@ -274,7 +274,8 @@ def on_an_accelerator(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[i
         return {"t": [], "verdicts": {"t": "met"}}
 
     monkeypatch.setattr(_stream, "is_accelerator", lambda device: True)
-    monkeypatch.setattr(_bench, "gpu_main", gpu_main)
+    monkeypatch.setattr(_bench, "gpu_main", gpu_main)  # python -m todevice bench --device's
+    monkeypatch.setattr(_bench.device, "gpu_main", gpu_main)  # the transfer table's, after the host's
     monkeypatch.chdir(tmp_path)
     return rounds_run
 
@@ -352,7 +353,7 @@ def test_a_part_says_what_it_runs_before_it_starts(
             ]
         ]
 
-    monkeypatch.setattr(_bench, "loader_rows", rows)
+    monkeypatch.setattr(_bench.host, "loader_rows", rows)
     result = _bench.loader_main(batches=7, part=(3, 4))
     out = capsys.readouterr().out
     line = (
@@ -621,7 +622,7 @@ def test_every_accelerator_table_that_runs_is_judged_below_it(
         "static_rows": "no accelerator on this machine",
     }
     for name, rows in made.items():
-        monkeypatch.setattr(_bench, name, lambda rounds, rows=rows: rows)
+        monkeypatch.setattr(_bench.device, name, lambda rounds, rows=rows: rows)
     result = _bench.gpu_main(rounds=1)
     lines = capsys.readouterr().out.splitlines()
     judged = [title for title, rows in result.items() if title != "verdicts" and not isinstance(rows, str)]

@@ -273,9 +273,9 @@ def test_the_size_matrix_table_runs_on_an_accelerator(monkeypatch: pytest.Monkey
     full = _bench.carried_batches()
     small = {name: full[name] for name in list(full)[:4]}  # up to 10 tensors: a smoke test, not a timing
     small[list(full)[1]] = [torch.randn(2, 3, 8, 8), torch.arange(2)]
-    monkeypatch.setattr(_bench, "carried_batches", lambda: small)
+    monkeypatch.setattr(_bench.device, "carried_batches", lambda: small)
     ours = {"todevice.move": todevice.move, _bench.HELPER: _bench.recursive_to_device, "optree.tree_map": None}
-    monkeypatch.setattr(_bench, "contenders", lambda: (dict(ours), []))  # no peers: importing them takes seconds
+    monkeypatch.setattr(_bench.device, "contenders", lambda: (dict(ours), []))  # no peers: importing them takes seconds
     with torch.inference_mode():
         rows = _bench.size_rows(rounds=1)
     assert {r["memory"] for r in rows} == {"pageable", "on the device"}  # tdtest has no pinned memory

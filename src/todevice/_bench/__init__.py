@@ -1,0 +1,85 @@
+"""The benchmarks: move() against the hand-written helper and the peers, the transfer engine, the DataLoader, guard()
+and, on an accelerator, its own tables.
+
+Shipped inside the package so that ``python -m todevice bench`` works wherever todevice is installed; the scripts in
+``bench/`` run the same code with more rounds. Each table is followed by a one-line verdict; JSON is written only
+where ``--json`` says, with the versions, the machine, the date and the arguments. ``common`` holds what the tables
+share, ``host`` the host's tables and ``device`` the accelerator's; their names are gathered here.
+"""
+
+from todevice._bench import common as common, device as device, host as host
+from todevice._bench.common import (
+    HELPER as HELPER,
+    JSON_HELP as JSON_HELP,
+    OPTIONS as OPTIONS,
+    PEERS as PEERS,
+    Rows as Rows,
+    Sample as Sample,
+    _target as _target,
+    at_least as at_least,
+    contenders as contenders,
+    count_tensors as count_tensors,
+    cpu_model as cpu_model,
+    environment as environment,
+    flat_batch as flat_batch,
+    interleaved as interleaved,
+    json_path as json_path,
+    markdown as markdown,
+    missing_note as missing_note,
+    mixed_small_batch as mixed_small_batch,
+    nested_batch as nested_batch,
+    peer_versions as peer_versions,
+    progress as progress,
+    recursive_to_device as recursive_to_device,
+    report as report,
+    script as script,
+    small_batches as small_batches,
+    tensor_leaves as tensor_leaves,
+    verdict as verdict,
+    write_json as write_json,
+)
+from todevice._bench.device import (
+    SIZE_TARGETS as SIZE_TARGETS,
+    blocked_rows as blocked_rows,
+    blocked_verdict as blocked_verdict,
+    carried_batches as carried_batches,
+    device_rows as device_rows,
+    device_to_host_rows as device_to_host_rows,
+    gpu_main as gpu_main,
+    loop_rows as loop_rows,
+    loop_verdict as loop_verdict,
+    placed as placed,
+    prefetch_rows as prefetch_rows,
+    prefetch_verdict as prefetch_verdict,
+    queued_rows as queued_rows,
+    queued_verdict as queued_verdict,
+    size_rows as size_rows,
+    size_verdict as size_verdict,
+    static_rows as static_rows,
+    to_device_verdict as to_device_verdict,
+    to_host_verdict as to_host_verdict,
+)
+from todevice._bench.host import (
+    GUARD as GUARD,
+    LOADER as LOADER,
+    LOADER_OURS as LOADER_OURS,
+    OVERHEAD as OVERHEAD,
+    PACK_TARGET as PACK_TARGET,
+    TRANSFER as TRANSFER,
+    answer as answer,
+    guard_main as guard_main,
+    guard_rows as guard_rows,
+    guard_verdict as guard_verdict,
+    host_rows as host_rows,
+    loader_main as loader_main,
+    loader_rows as loader_rows,
+    loader_verdict as loader_verdict,
+    main as main,
+    overhead_verdict as overhead_verdict,
+    run as run,
+    static_host_rows as static_host_rows,
+    table as table,
+    transfer_answer as transfer_answer,
+    transfer_main as transfer_main,
+    transfer_verdict as transfer_verdict,
+)

@@ -1,0 +1,518 @@
+"""The host's tables (``python -m todevice bench``): move() against the helper and the peers, the transfer engine, the
+DataLoader and guard(), each with its verdict."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import todevice
+from todevice import _stream, _walk
+from todevice._bench import device as device_tables  # its gpu_main looked up when called, as tests replace it
+from todevice._bench.common import (
+    HELPER,
+    PEERS,
+    Rows,
+    _copy_each,
+    _count,
+    _inputs,
+    _per_sample,
+    _range,
+    _repeat,
+    _span,
+    _static_workload,
+    _target,
+    contenders,
+    count_tensors,
+    flat_batch,
+    interleaved,
+    markdown,
+    missing_note,
+    mixed_small_batch,
+    nested_batch,
+    progress,
+    recursive_to_device,
+    report,
+    small_batches,
+    tensor_leaves,
+)
+
+
+def run(rounds: int = 30, sizes: Sequence[int] = (10, 100, 1000, 10_000), seed: int = 0) -> list[dict[str, Any]]:
+    """Every contender on every batch and target, interleaved; medians per call."""
+    rng = random.Random(seed)
+    batches = small_batches()
+    for n in sizes:
+        batches[f"flat dict, {n:,}"] = flat_batch(n)
+        batches[f"nested with a dataclass, {n:,}"] = nested_batch(n)
+    funcs, _ = contenders()
+    rows: list[dict[str, Any]] = []
+    # What is alive now (torch, the peers, the batches) lives through the run. Frozen, it is left out of
+    # the collection before each cell, which then walks what the cells made, not some 300,000 objects.
+    gc.collect()
+    gc.freeze()
+    try:
+        for bname, tree in batches.items():
+            for dev in (torch.device("cpu"), torch.device("meta")):
+                moved = {name: count_tensors(fn(tree, dev), dev) for name, fn in funcs.items()}  # also warms up
+                number = _per_sample(_repeat(recursive_to_device, [tree], dev))
+                calls = {name: _repeat(fn, [tree] * number, dev) for name, fn in funcs.items()}
+                rows.append(_row(bname, str(dev), interleaved(calls, rounds, rng), number, moved))
+        rows.extend(_history_rows(rounds, rng, funcs))
+    finally:
+        gc.unfreeze()
+    return rows
+
+
+def _row(
+    batch: str, target: str, times: dict[str, list[float]], number: int, moved: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    us = {name: statistics.median(t) / number * 1e6 for name, t in times.items()}
+    tensors = moved[HELPER][1]
+    return {
+        "batch": batch,
+        "target": target,
+        "tensors": tensors,
+        "median_us": us,
+        "x_vs_move": {name: t / us["todevice.move"] for name, t in us.items()},
+        "tensors_on_target": {name: on for name, (on, _) in moved.items()},
+        "target_x_helper": _target(target, tensors),
+    }
+
+
+def _history_rows(
+    rounds: int, rng: random.Random, funcs: dict[str, Callable[[Any, torch.device], Any]]
+) -> list[dict[str, Any]]:
+    """Cost that might depend on what ran before, and batches whose dict keys are new objects every call."""
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    batch, other = nested_batch(1000), flat_batch(1000)
+    pair = {
+        "todevice.move": _repeat(funcs["todevice.move"], [batch], cpu),
+        HELPER: _repeat(recursive_to_device, [batch], cpu),
+    }
+    counted = {name: count_tensors(fn(batch, cpu), cpu) for name, fn in funcs.items() if name in pair}
+    # The third setup is the control: the same other batch, moved by the helper, evicts the same caches
+    # and leaves todevice nothing to remember, so any gap between the last two rows is history. All six
+    # (setup, contender) pairs run interleaved in one loop, so the machine's noise falls on all alike.
+    conditions = {
+        "back to back": functools.partial(todevice.move, batch, cpu),
+        "right after a move of another batch": functools.partial(todevice.move, other, meta),
+        "right after the helper moved another batch": functools.partial(recursive_to_device, other, meta),
+    }
+    calls = {(label, name): fn for label in conditions for name, fn in pair.items()}
+    names = {key: f"{key[0]}: {key[1]}" for key in calls}
+    times = interleaved(
+        {names[key]: fn for key, fn in calls.items()}, rounds, rng, {names[key]: conditions[key[0]] for key in calls}
+    )
+    rows = [
+        _row(f"in place, nested 1,000, {label}", "cpu", {name: times[f"{label}: {name}"] for name in pair}, 1, counted)
+        for label in conditions
+    ]
+    for dev in (cpu, meta):
+        fresh: list[Any] = [None]
+
+        def new_keys(fresh: list[Any] = fresh) -> None:
+            fresh[0] = nested_batch(100, fresh_keys=True)
+
+        def on_fresh(
+            fn: Callable[[Any, torch.device], Any], fresh: list[Any] = fresh, dev: torch.device = dev
+        ) -> Callable[[], Any]:
+            def call() -> Any:
+                return fn(fresh[0], dev)
+
+            return call
+
+        new_keys()
+        moved = {name: count_tensors(fn(fresh[0], dev), dev) for name, fn in funcs.items()}
+        times = interleaved({name: on_fresh(fn) for name, fn in funcs.items()}, rounds, rng, setup=new_keys)
+        rows.append(_row("nested 100, new dict keys every call", str(dev), times, 1, moved))
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """One line per (batch, device): move()'s time, each contender's time over move()'s, and the tensors each moved."""
+    others = [name for name in rows[0]["median_us"] if name != "todevice.move"]
+    columns = ["batch", "device", ">move() (us)", *[f">{name}" for name in others], ">tensors moved (move() / helper)"]
+    lines = []
+    for r in rows:
+        x = r["x_vs_move"]
+        on = r["tensors_on_target"]
+        lines.append(
+            [
+                r["batch"],
+                r["target"],
+                f"{r['median_us']['todevice.move']:.1f}",
+                *[f"{x[name]:.2f}x" if name in x else "-" for name in others],
+                f"{on['todevice.move']} / {on[HELPER]} of {r['tensors']}",
+            ]
+        )
+    return markdown(columns, lines)
+
+
+def answer(rows: Rows) -> str:
+    """For the reader: is move() faster than the hand-written helper here, and where is it not, each by name."""
+    x = {f"{r['batch']} to {r['target']}": r["x_vs_move"][HELPER] for r in rows}
+    slower = {k: v for k, v in x.items() if v < 1.0}
+    faster = len(x) - len(slower)
+    line = f"On this machine, move() is faster than the hand-written helper in {faster} of {len(x)} rows"
+    line += f" (up to {max(x.values()):.2f}x)" if faster else ""
+    if not slower:
+        return line + "."
+    listed = "; ".join(f"{k}: {v:.2f}x" for k, v in sorted(slower.items(), key=lambda kv: kv[1]))
+    return f"{line}, and slower in {len(slower)}: {listed}."
+
+
+OVERHEAD = "move() against the hand-written helper and the peers"
+
+
+def overhead_verdict(rows: Rows) -> str:
+    """One line: ``move()`` against each row's target over the helper, by group of rows, and against the peers."""
+    groups: dict[tuple[str, float], Rows] = {}
+    for r in rows:
+        groups.setdefault((r["target"], r["target_x_helper"]), []).append(r)
+    parts = []
+    for (target, goal), group in sorted(groups.items(), key=lambda g: (g[0][0], min(r["tensors"] for r in g[1]))):
+        x = [r["x_vs_move"][HELPER] for r in group]
+        met = sum(v >= goal for v in x)
+        span = _span([r["tensors"] for r in group])
+        parts.append(f"{target}, {span}, >= {goal:.2f}x: {_range(x)}, {met} of {len(group)} met")
+    met = sum(r["x_vs_move"][HELPER] >= r["target_x_helper"] for r in rows)
+    outcome = "met" if met == len(rows) else "not met"
+    line = (
+        f"Target: move() at or above each row's target against the hand-written helper: {outcome}, "
+        f"{met} of {len(rows)} rows met ({'; '.join(parts)})"
+    )
+    peers = []
+    for name in PEERS:
+        x = [r["x_vs_move"][name] for r in rows if name in r["x_vs_move"]]
+        if x:
+            peers.append(f"than {name} in {sum(v > 1 for v in x)} of {len(x)} rows ({_range(x)})")
+    return line + (f"; move() is faster {' and '.join(peers)}." if peers else ".")
+
+
+def main(
+    rounds: int = 30, sizes: Sequence[int] = (10, 100, 1000, 10_000), part: tuple[int, int] = (1, 1)
+) -> dict[str, Any]:
+    """The table of move() against the helper and the peers, and its verdict: ``{"rows", "verdicts"}``."""
+    funcs, missing = contenders()
+    batches = len(small_batches()) + 2 * len(sizes)
+    what = f"{len(funcs)} contenders, {batches} batches to cpu and to meta, 5 more rows, {_count(rounds, 'round')} each"
+    progress(part, f"{OVERHEAD}: {what}")
+    rows = run(rounds=rounds, sizes=sizes)
+    print(f"{OVERHEAD}.\n{answer(rows)}")
+    print(
+        "Columns: 'device' is where the batch goes: 'cpu', where its tensors already are (the cost of looking at "
+        "the batch), or 'meta', where every tensor is copied with no data (the cost of the copies' bookkeeping). "
+        "'move() (us)' is move()'s time per call. Each other column is that contender's time over move()'s: above "
+        "1.00x, move() is faster. 'tensors moved' counts the tensors that reached the device (the helper leaves "
+        "a dataclass's). Medians of interleaved rounds."
+    )
+    if missing:
+        print(missing_note(missing))
+    print(table(rows) + "\n")
+    in_place = {r["batch"]: r["median_us"] for r in rows if r["batch"].startswith("in place")}
+    if in_place:
+        base, after, control = (us["todevice.move"] for us in in_place.values())
+        print(
+            "A call's cost does not depend on earlier calls: moving a batch already in place costs "
+            f"{after / base:.2f}x its time back to back right after move() moved another batch, and "
+            f"{control / base:.2f}x right after the helper did."
+        )
+    line = overhead_verdict(rows)  # the project's targets: in the JSON, and in bench/README.md
+    return {"rows": rows, "verdicts": {OVERHEAD: line}, "answer": answer(rows)}
+
+
+def host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
+    """Host time of pack(batch).unpack() against per-leaf .to('meta') of the same leaves, one run."""
+    rng = random.Random(seed)
+    batch = mixed_small_batch()
+    leaves = tensor_leaves(batch)
+    meta = torch.device("meta")
+    funcs: dict[str, Callable[[], Any]] = {
+        "pack(batch).unpack()": lambda: todevice.pack(batch).unpack(),
+        "per-leaf .to('meta')": lambda: [t.to(meta) for t in leaves],
+        "move(batch, 'meta', coalesce=True)": lambda: todevice.move(batch, meta, coalesce=True),
+        "move(batch, 'meta')": lambda: todevice.move(batch, meta),
+    }
+    for fn in funcs.values():
+        fn()
+    times = interleaved(funcs, rounds, rng)
+    base = statistics.median(times["per-leaf .to('meta')"])
+    return [
+        {
+            "workload": f"nested batch, {len(leaves)} small mixed-dtype tensors",
+            "contender": name,
+            "median_us": statistics.median(t) * 1e6,
+            "x_per_leaf_to": statistics.median(t) / base,
+        }
+        for name, t in times.items()
+    ]
+
+
+def static_host_rows(rounds: int = 30, seed: int = 0) -> list[dict[str, Any]]:
+    """Host time of move(batch, out=static) into static meta buffers against per-tensor copy_(), one run.
+
+    ``static`` is views of one meta buffer, so move() takes the path it takes into views of one device
+    buffer (pairing, checks, the staging write, one copy) with no data behind the copy. Into CPU tensors
+    it would copy tensor by tensor, which says nothing of that path.
+    """
+    static = todevice.move(_inputs(), "meta", coalesce=True)
+    fresh = [_inputs()]
+
+    def next_batch() -> None:
+        fresh[0] = _inputs()
+
+    funcs: dict[str, Callable[[], Any]] = {
+        "move(batch, out=static)": lambda: todevice.move(fresh[0], out=static),
+        "per-tensor copy_() into meta": functools.partial(_copy_each, static, fresh),
+    }
+    for fn in funcs.values():
+        fn()
+    times = interleaved(funcs, rounds, random.Random(seed), setup=next_batch)
+    base = statistics.median(times["per-tensor copy_() into meta"])
+    return [
+        {
+            "workload": _static_workload(static, "meta"),
+            "contender": name,
+            "median_us": statistics.median(t) * 1e6,
+            "x_per_leaf_to": statistics.median(t) / base,
+        }
+        for name, t in times.items()
+    ]
+
+
+TRANSFER = "Transfer engine, host side"
+PACK_TARGET = 1.5  # pack(batch).unpack() and the coalesced move: at most this many times per-leaf .to('meta')
+
+
+def transfer_verdict(host: Rows) -> str:
+    """One line: the coalesced paths against their target over per-leaf ``.to('meta')``, and ``out=static``.
+
+    A copy into static buffers has no target on the host, so its line gives the figures beside per-tensor
+    ``copy_()``.
+    """
+    by_name = {r["contender"]: r for r in host}
+    judged = [by_name[name] for name in ("pack(batch).unpack()", "move(batch, 'meta', coalesce=True)")]
+    met = "met" if all(r["x_per_leaf_to"] <= PACK_TARGET for r in judged) else "not met"
+    figures = "; ".join(f"{r['contender']}: {r['x_per_leaf_to']:.2f}x" for r in judged)
+    ours, theirs = by_name["move(batch, out=static)"], by_name["per-tensor copy_() into meta"]
+    return (
+        f"Target: pack(batch).unpack() and move(batch, 'meta', coalesce=True) at most {PACK_TARGET:.1f}x per-leaf "
+        f".to('meta'): {met} ({figures}); move(batch, out=static) took {ours['median_us']:.0f} us against "
+        f"{theirs['median_us']:.0f} us for per-tensor copy_() into meta ({ours['x_per_leaf_to']:.2f}x), which has "
+        "no target on the host."
+    )
+
+
+def transfer_answer(host: Rows) -> str:
+    """For the reader: what coalescing and ``out=`` cost the host here, where nothing is copied, and why that is so."""
+    by_name = {r["contender"]: r for r in host}
+    packed = by_name["pack(batch).unpack()"]["x_per_leaf_to"]
+    coalesced = by_name["move(batch, 'meta', coalesce=True)"]["x_per_leaf_to"]
+    ours, theirs = by_name["move(batch, out=static)"], by_name["per-tensor copy_() into meta"]
+    return (
+        f"On this machine's host, coalescing takes {coalesced:.2f}x the time of per-leaf .to('meta') "
+        f"(pack().unpack(): {packed:.2f}x), and move(batch, out=static) {ours['x_per_leaf_to']:.2f}x per-tensor "
+        f"copy_() ({ours['median_us']:.0f} against {theirs['median_us']:.0f} us). A copy to 'meta' moves no data, so "
+        "these are the host's bookkeeping alone; on a GPU, where each copy costs a launch, coalescing sends one copy "
+        "instead of one per tensor: python -m todevice bench --device cuda measures that."
+    )
+
+
+def transfer_main(rounds: int = 30, part: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The transfer engine's host table and its verdict, then the accelerator's tables where there is one.
+
+    Returns:
+        ``{"host": rows, "device": the accelerator's tables or why they were skipped, "verdicts": lines}``.
+    """
+    acc = _stream.accelerator()
+    then = f"; then the accelerator's tables on {acc.type}" if acc is not None else ""
+    progress(part, f"{TRANSFER}: 2 workloads, {_count(rounds, 'round')} each{then}")
+    host = host_rows(rounds=rounds) + static_host_rows(rounds=rounds)
+    columns = ["workload", "contender", ">median (us)", ">time / per-leaf copy to meta"]
+    cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
+    title = f"{TRANSFER}: what coalescing and copies into static buffers cost the host (medians)."
+    print(title)
+    print(markdown(columns, cells) + "\n")
+    print(transfer_answer(host), flush=True)
+    verdicts = {TRANSFER: transfer_verdict(host)}  # the project's target: in the JSON, and in bench/README.md
+    device: Any = "run python -m todevice bench --device cuda for the accelerator's tables"
+    if acc is not None:
+        print()
+        device = device_tables.gpu_main(rounds=max(3, rounds // 3))
+        verdicts.update(device["verdicts"])
+    else:
+        print("\nOn an accelerator: skipped, no accelerator on this machine.")
+    return {"host": host, "device": device, "verdicts": verdicts}
+
+
+# ---------------------------------------------------------------- the DataLoader benchmark
+
+
+class _ManySmall(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Samples holding ``fields`` small float32 tensors and a label."""
+
+    def __init__(self, fields: int, n: int) -> None:
+        self.fields, self.n = fields, n
+        self.sample = {f"t{k}": torch.randn(16) for k in range(fields)}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.sample, "label": i}
+
+
+def _storages(batch: Any) -> int:
+    """Tensor storages in a batch as the main process receives it: one segment and one fd each."""
+    if isinstance(batch, todevice.PackedBatch):
+        return 1 + batch.loose
+    ptrs = {node.untyped_storage().data_ptr() for _, node in _walk.paths(batch) if isinstance(node, torch.Tensor)}
+    return len(ptrs)
+
+
+def loader_rows(batches: int = 100, batch_size: int = 32, workers: int = 2) -> list[dict[str, Any]]:
+    """Batches per second of DataLoader(num_workers) with default_collate and with todevice, one run."""
+    from torch.utils.data import DataLoader
+
+    rows: list[dict[str, Any]] = []
+    for fields in (10, 100, 400):
+        data = _ManySmall(fields, batches * batch_size)
+        results: dict[str, tuple[float, int]] = {}
+        for name in ("default_collate", "todevice.collate() + prefetch(..., 'cpu')", "default_collate again"):
+            ours = name.startswith("todevice")
+            loader = DataLoader(
+                data,
+                batch_size=batch_size,
+                num_workers=workers,
+                collate_fn=todevice.collate() if ours else None,
+                prefetch_factor=4,
+            )
+            batches_in = iter(loader)
+            segments = _storages(next(batches_in))  # workers started and warm: time the steady state
+            source: Any = todevice.prefetch(batches_in, "cpu") if ours else batches_in
+            start = time.perf_counter()
+            count = sum(1 for _ in source)
+            results[name] = (count / (time.perf_counter() - start), segments)
+        plain = statistics.median([results["default_collate"][0], results["default_collate again"][0]])
+        for name, (rate, segments) in results.items():
+            if name == "default_collate again":
+                continue
+            rows.append(
+                {
+                    "tensors_per_sample": fields,
+                    "contender": name,
+                    "batches_per_s": rate,
+                    "x_default_collate": rate / plain,
+                    "segments_per_batch": segments,
+                }
+            )
+    return rows
+
+
+LOADER = "DataLoader"
+LOADER_OURS = "todevice.collate() + prefetch(..., 'cpu')"
+
+
+def loader_verdict(rows: Rows) -> str:
+    """One line: todevice's batches per second over default_collate's, and the shared-memory blocks a batch takes."""
+    ours = [r for r in rows if r["contender"] == LOADER_OURS]
+    plain = [r for r in rows if r["contender"] == "default_collate"]
+    faster = sum(r["x_default_collate"] > 1 for r in ours)
+    figures = "; ".join(f"{r['tensors_per_sample']} tensors: {r['x_default_collate']:.2f}x" for r in ours)
+    return (
+        f"Against default_collate: {LOADER_OURS} is faster at {faster} of {len(ours)} sample sizes ({figures}); "
+        f"shared-memory blocks per batch: {_range([r['segments_per_batch'] for r in ours], '{:,}')} against "
+        f"{_range([r['segments_per_batch'] for r in plain], '{:,}')}."
+    )
+
+
+def loader_main(batches: int = 100, part: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The DataLoader table and its verdict: ``{"rows", "verdicts"}``."""
+    progress(part, f"{LOADER}: 2 workers, 3 sample sizes, 3 loaders each, {_count(batches, 'batch')} per loader")
+    rows = loader_rows(batches=batches)
+    blocks = ">shared-memory blocks per batch"
+    columns = [">tensors per sample", "contender", ">batches/s", ">x default_collate", blocks]
+    cells = [
+        [
+            str(r["tensors_per_sample"]),
+            r["contender"],
+            f"{r['batches_per_s']:.0f}",
+            "" if r["contender"] == "default_collate" else f"{r['x_default_collate']:.2f}x",
+            str(r["segments_per_batch"]),
+        ]
+        for r in rows
+    ]
+    title = (
+        f"{LOADER}, 2 workers, batches of 32: batches per second (higher is better). 'x default_collate' is the "
+        "rate over default_collate's; 'shared-memory blocks per batch' counts the blocks, one file descriptor "
+        "each, that carry a batch from a worker."
+    )
+    return {"rows": rows, "verdicts": report(title, columns, cells, LOADER, loader_verdict(rows))}
+
+
+# ---------------------------------------------------------------- guard() overhead
+
+
+def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+    """Forward time of a small MLP without guard(), with it, and after its removal, in one run."""
+    rng = random.Random(seed)
+
+    def mlp() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) if i % 2 == 0 else torch.nn.ReLU() for i in range(16)])
+
+    model, guarded, removed = mlp(), mlp(), mlp()
+    x = torch.randn(4, 64)
+    hooks = todevice.guard(guarded)
+    todevice.guard(removed).remove()
+    models = {"no guard": model, "guard(model)": guarded, "guard removed": removed}
+    with torch.no_grad():
+        for m in models.values():
+            m(x)
+        times = interleaved({name: functools.partial(m, x) for name, m in models.items()}, rounds, rng)
+    hooks.remove()
+    base = statistics.median(times["no guard"])
+    return [
+        {
+            "contender": name,
+            "median_us": statistics.median(t) * 1e6,
+            "overhead_us": (statistics.median(t) - base) * 1e6,
+            "overhead_us_per_hook": (statistics.median(t) - base) * 1e6 / 8,
+        }
+        for name, t in times.items()
+    ]
+
+
+GUARD = "guard() overhead"
+
+
+def guard_verdict(rows: Rows) -> str:
+    """One line: what guard() adds to a forward call, and what is left once it is removed."""
+    by_name = {r["contender"]: r for r in rows}
+    base, on, off = by_name["no guard"], by_name["guard(model)"], by_name["guard removed"]
+    return (
+        f"Against no guard ({base['median_us']:.1f} us a forward): guard(model) adds {on['overhead_us']:+.1f} us "
+        f"({on['overhead_us'] / base['median_us']:+.1%}), {on['overhead_us_per_hook']:+.2f} us per guarded module; "
+        f"once removed, it adds {off['overhead_us']:+.1f} us ({off['overhead_us'] / base['median_us']:+.1%})."
+    )
+
+
+def guard_main(rounds: int = 200, part: tuple[int, int] = (1, 1)) -> dict[str, Any]:
+    """The guard() table and its verdict: ``{"rows", "verdicts"}``."""
+    progress(part, f"{GUARD}: 3 models, {_count(rounds, 'round')}")
+    rows = guard_rows(rounds=rounds)
+    columns = ["model", ">forward (us)", ">overhead (us)", ">per guarded module (us)"]
+    cells = [
+        [r["contender"], f"{r['median_us']:.1f}", f"{r['overhead_us']:+.1f}", f"{r['overhead_us_per_hook']:+.2f}"]
+        for r in rows
+    ]
+    title = f"{GUARD} per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians)."
+    return {"rows": rows, "verdicts": report(title, columns, cells, GUARD, guard_verdict(rows))}
