@@ -234,10 +234,11 @@ class State:
         outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
-    def finish(self) -> None:
-        """Wait for asynchronous copies into host memory, so the caller never reads unfinished data."""
+    def finish(self, out: Any = None) -> Any:
+        """Wait for asynchronous copies into host memory, so the caller never reads unfinished data; ``out`` back."""
         if self.plan.to_host:
             _wait_for(self.sources, self.waits)
+        return out
 
 
 def _wait_for(sources: list[torch.Tensor], also: set[torch.device] | None = None) -> None:
@@ -275,9 +276,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
             if out is not None:
                 return out
         s = State(p, _made(rec))
-        out = _batch(obj, s, True, max_bytes)
-        s.finish()
-        return out
+        return s.finish(_batch(obj, s, True, max_bytes))
     except (_NeedsMemo, RecursionError):  # an object the memo walk moves, or deep nesting
         return _walk_again(obj, p, rec)
     if len(rec) > 2 and not _layout.distinct(rec[::2]):  # a tensor met twice, or two over one memory
@@ -289,9 +288,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
 
 def _walk_again(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an optimistic walk, reusing its copies
     s = State(p, _made(rec))
-    out = _walked(obj, s, obj)
-    s.finish()
-    return out
+    return s.finish(_walked(obj, s, obj))
 
 
 def _made(rec: list[torch.Tensor]) -> dict[int, torch.Tensor]:  # an optimistic walk's copies, by source id
@@ -501,13 +498,16 @@ def move(
             done = _gate(obj, p, coalesce)
             if done is not None:
                 return done  # type: ignore[no-any-return]
-    return _general(obj, p, coalesce, coalesce_max_bytes, stream, strict)  # type: ignore[no-any-return]  # 5. the walks
+    walk = p.host_walk if stream is None and not strict and (p.gathers or not coalesce) else None
+    return (  # type: ignore[no-any-return]  # 5. the walks: to the host, the optimistic one first; else the memo walk
+        _general(obj, p, coalesce, coalesce_max_bytes, stream, strict)
+        if walk is None
+        else _host(obj, p, walk, coalesce is not False, coalesce_max_bytes)
+    )
 
 
 def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: Any, strict: bool) -> Any:
-    """To the host, the optimistic walk first; else the memo one, coalesced as planned, on ``stream`` if given."""
-    if stream is None and not strict and p.host_walk is not None and (p.gathers or not coalesce):
-        return _host(obj, p, p.host_walk, coalesce is not False, max_bytes)
+    """The memo walk, coalesced as planned, on ``stream`` if given (the optimistic host walk is ``_host``)."""
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
@@ -517,8 +517,7 @@ def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: A
         _stream.check_stream(stream)
         out, user = _on_stream(obj, s, stream, coalesce, max_bytes)
         _stream.hand_over(stream, user, s.outputs())
-    s.finish()
-    return out
+    return s.finish(out)
 
 
 def _gate(obj: Any, p: Plan, coalesce: bool | None, s: State | None = None) -> Any:
