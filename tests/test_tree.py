@@ -210,6 +210,23 @@ def test_objects_holding_no_tensor_and_modules_pass_through_without_a_warning() 
         todevice.move({"h": Holder(torch.ones(1))}, "meta", strict=True)  # strict raises before any warning
 
 
+class Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = torch.ones(1)
+
+    def __getattr__(self, name: str) -> Any:  # answers for __dict__ too, as a proxy may
+        raise RuntimeError(f"no {name} here")
+
+
+def test_the_look_for_tensors_left_behind_reads_no_attribute_through_the_class() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = todevice.move({"s": Slotted(), "x": torch.ones(1)}, "meta")  # slots alone: not looked into
+    assert out["x"].is_meta and out["s"].t.device.type == "cpu"
+
+
 # ---------------------------------------------------------------- types registered with torch pytree or optree
 
 

@@ -537,8 +537,11 @@ def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
 
 def left_behind(obj: Any) -> None:
     """Warn where an object move() passes through as it is holds a tensor in an attribute of its own."""
-    state = getattr(obj, "__dict__", None)
-    if not state:
+    try:
+        state = object.__getattribute__(obj, "__dict__")  # as stored: no __getattr__ of the class runs
+    except AttributeError:  # slots only
+        return
+    if type(state) is not dict:
         return
     for name, value in state.items():
         if isinstance(value, torch.Tensor):
