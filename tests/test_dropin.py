@@ -166,6 +166,14 @@ def test_a_mapping_with_its_own_to_keeps_a_tensor_it_holds_twice_one_tensor() ->
     assert out["a"][0] is out["b"][0] and out["a"][0].device == META
 
 
+def test_a_mapping_with_its_own_to_that_holds_itself_comes_back_holding_its_copy() -> None:
+    enc = TensorsOnly({"ids": torch.arange(3)})
+    enc["parents"] = [enc]
+    out = todevice.move(enc, "meta")
+    assert out["parents"][0] is out and out["ids"].device == META
+    assert enc["parents"][0] is enc and enc["ids"].device == CPU
+
+
 class InPlaceStore:
     """A hand-written batch without __copy__ whose .to() writes into the dicts and lists it holds."""
 

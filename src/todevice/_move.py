@@ -385,11 +385,11 @@ def _to_object(obj: Any, s: State) -> Any:
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])
-    if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
-        out = _walk.rest_of_mapping(obj, out, p.skip, lambda v: _memo_walk(v, s))
     if held:
         s.waits.update(held)
-    s.memo[id(obj)] = (obj, out)
+    s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out
+    if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
+        _walk.rest_of_mapping(obj, out, p.skip, lambda v: _memo_walk(v, s))  # into out itself
     return out
 
 

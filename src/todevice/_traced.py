@@ -356,9 +356,9 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     out = target.to(h.dev, non_blocking=h.nb, **casts) if non_blocking else target.to(h.dev, **casts)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
+    h.memo[id(x)] = out  # before its items are walked: one that holds x itself gets out
     if isinstance(x, _Mapping):  # what its .to() left: containers in it, and keys to skip
-        out = _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h))
-    h.memo[id(x)] = out
+        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h))  # into out itself
     return out
 
 

@@ -441,7 +441,7 @@ def rest_of_mapping(obj: Any, out: Any, skip: frozenset[Any], move_item: Callabl
     Such a ``.to()`` moves only what has a ``.to()`` (a BatchEncoding's): an item that is a container
     (a list of tensors) is moved by ``move_item``, and an item under a key in ``skip`` is put back as
     ``obj`` holds it. Written through ``out[key] = ...``, which is the copy the ``.to()`` was called on
-    or what it returned; one that cannot be written into is returned as it is.
+    or what it returned; one that cannot be written into is left as it is. Returns ``out``.
     """
     items: Any = out
     if collections.UserDict in type(out).__mro__ and type(out.data) is dict:
