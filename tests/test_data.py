@@ -209,7 +209,7 @@ def fake_streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr(_data._stream, "is_accelerator", lambda device: True)
     monkeypatch.setattr(_data.torch, "Stream", make_stream)
-    monkeypatch.setattr(_data._move, "move_on_stream", issue)
+    monkeypatch.setattr(_data, "moved_on", issue)
     monkeypatch.setattr(_data._stream, "receive", lambda event, outputs, device: log["received"].append(event[1]))
     return log
 

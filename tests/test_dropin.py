@@ -174,6 +174,37 @@ def test_a_mapping_with_its_own_to_that_holds_itself_comes_back_holding_its_copy
     assert enc["parents"][0] is enc and enc["ids"].device == CPU
 
 
+class OnlyTensors(TensorsOnly):
+    """Its __setitem__ refuses anything but a tensor, as a validating container may."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError("only tensors")
+        super().__setitem__(key, value)
+
+
+def test_a_mapping_with_its_own_to_that_refuses_an_item_keeps_it_as_its_to_left_it() -> None:
+    enc = OnlyTensors.__new__(OnlyTensors)
+    enc.data = {"ids": torch.arange(3), "words": ["a", "b"]}
+    out = todevice.move({"e": enc}, "meta")["e"]
+    assert out["ids"].device == META and out["words"] == ["a", "b"] and enc["ids"].device == CPU
+
+
+def test_an_error_inside_a_mapping_with_its_own_to_names_its_path() -> None:
+    batch = {"x": ones(), "e": TensorsOnly({"ids": ones(), "pix": [torch.empty(1, device="meta")]})}
+    with pytest.raises(NotImplementedError, match=r"Cannot move \['e'\]\['pix'\]\[0\] \(Tensor"):
+        todevice.move(batch, "cpu")
+
+
+@pytest.mark.parametrize("coalesce", [False, None, True])
+def test_a_tensor_inside_a_mapping_with_its_own_to_and_elsewhere_stays_one_tensor(coalesce: Any) -> None:
+    t = ones(2)
+    out = todevice.move(TensorsOnly({"c": t, "a": [t]}), "meta", coalesce=coalesce)
+    assert out["c"] is out["a"][0]  # one its .to() moved, one the walk met
+    out = todevice.move({"e": TensorsOnly({"a": [t]}), "x": t, "y": ones(3)}, "meta", coalesce=coalesce)
+    assert out["e"]["a"][0] is out["x"]  # coalesced: a view of the batch's buffer
+
+
 class InPlaceStore:
     """A hand-written batch without __copy__ whose .to() writes into the dicts and lists it holds."""
 
@@ -198,6 +229,48 @@ def test_a_to_that_writes_into_the_dicts_and_lists_it_holds_leaves_the_input_alo
     assert out.data["inner"] is out.data["again"]  # a dict held twice is copied once
     assert store.data["t"].device == CPU and store.data["inner"]["u"].device == CPU
     assert store.items[0].device == CPU and store.items[1][0].device == CPU
+
+
+class Proxy:
+    """Slots only; every other attribute read is passed to the object it wraps (its __dict__ too)."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_inner"), name)
+
+    def to(self, device: Any) -> Proxy:
+        return Proxy(self._inner)
+
+
+class AdoptsState:
+    """Its copy adopts the input's own __dict__ (its __getstate__ hands it out)."""
+
+    def __init__(self) -> None:
+        self.data = {"t": ones(2)}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__ = state
+
+    def to(self, device: Any) -> AdoptsState:
+        return self
+
+
+def test_the_copy_for_to_never_replaces_what_the_input_holds() -> None:
+    inner = InPlaceStore(ones(2))
+    data = inner.data
+    todevice.move(Proxy(inner), "meta")
+    assert inner.data is data  # the proxy's reads reach the wrapped object: its dicts are not the copy's
+    state = AdoptsState()
+    data = state.data
+    todevice.move(state, "meta")
+    assert state.data is data
 
 
 class SharesOnCopy(InPlaceStore):

@@ -288,3 +288,18 @@ def test_classes_made_per_batch_die_with_their_batch() -> None:
     gc.collect()
     assert sum(r() is not None for r in refs) == 0  # the rules cached for them held none of them
     assert len(_tree._kinds) == len(_tree._refs) < 100
+
+
+class DictProperty:
+    @property
+    def __dict__(self) -> Any:  # type: ignore[override]  # as a lazy proxy defines it
+        raise RuntimeError("no __dict__ here")
+
+
+def test_no_warning_where_nothing_was_left_behind_and_no_error_from_a_dict_property() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert todevice.move({"h": Holder(torch.ones(1))}, "cpu")["h"].t.device.type == "cpu"  # on the CPU already
+        todevice.move({"d": DictProperty(), "x": torch.ones(1)}, "meta")
+    with pytest.warns(TensorsLeftBehindWarning):
+        todevice.move({"h": Holder(torch.ones(1))}, "cpu", dtype=torch.float16)  # it would have been cast

@@ -35,6 +35,17 @@ def _default_collate_for_packing(batch: Any) -> Any:
     return _collate(batch, collate_fn_map=_worker_collate_map)
 
 
+def moved_on(
+    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any]
+) -> tuple[Any, list[torch.Tensor], torch.Event]:
+    """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
+    consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
+    s = _move.State(_move.plan(dev, non_blocking, None, skip))
+    out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
+    copied = _stream.record_event(side, dev)
+    return s.finish(out), s.outputs(), copied
+
+
 class collate:  # named like a function: it stands where a collate_fn goes
     """A ``collate_fn`` that packs each batch in the DataLoader worker into one buffer.
 
@@ -185,7 +196,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
         def start(batch: Any) -> tuple[Any, list[torch.Tensor], torch.Event]:
-            return _move.move_on_stream(batch, self.device, self.non_blocking, side, self.skip_keys or frozenset())
+            return moved_on(batch, self.device, self.non_blocking, side, self.skip_keys or frozenset())
 
         def finish(moved: tuple[Any, list[torch.Tensor], torch.Event]) -> Any:
             out, outputs, copied = moved

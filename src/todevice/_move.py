@@ -47,11 +47,11 @@ class _Gather(Exception):  # a move to the CPU met a tensor off the host, which 
     pass
 
 
-def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor]) -> Any:
+def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], keep: Callable[[torch.Tensor], bool]) -> Any:
     """The optimistic walk's other leaves: unknown objects (with a warning where they hold tensors) and modules
     stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over."""
     if code == _tree.UNKNOWN:
-        _walk.left_behind(x)
+        _walk.left_behind(x, keep)
     elif code != _tree.MODULE:
         raise _NeedsMemo
     return x
@@ -127,10 +127,7 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
 
     def moved(t: torch.Tensor, s: State) -> torch.Tensor:
         """A tensor not in place, moved once, with aliasing and shared memory kept."""
-        try:
-            ptr = t.data_ptr()
-        except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
-            ptr = 0
+        ptr = _ptr(t)
         if not ptr:  # meta and empty tensors own no memory: told apart by identity
             seen = s.memo.get(id(t))
             if seen is not None:
@@ -146,15 +143,14 @@ def plan(dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip:
             return out
         return _same_address(t, entries, s)
 
-    # The memo costs about a fifth of a copy to meta, and a batch rarely repeats a tensor. So on the host
-    # the first walk only records its copies, and a batch found to repeat one is walked again with the
-    # memo, reusing them: a repeated tensor may be copied twice, in host memory. On an accelerator that
-    # copy would hold device memory: there the memo walk (or _gate, which checks first) is the one.
+    # A batch rarely repeats a tensor, and the memo costs moves to meta a quarter more. So on the host the first walk
+    # only records its copies; a batch that repeats one is walked again with the memo, reusing them (a repeat copied
+    # twice, in host memory). On an accelerator, where that copy would hold device memory, the memo walk is the one.
     memo_walk = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _skipped_item)
-    host_walk = _walk.make(keep, recorded, _plain_objects_only, _tree.kind_of, skip=skip) if host else None
-    return Plan(
-        dev, non_blocking, dtype, keep, to, alone, one, host_walk, memo_walk, not host, gathers, stage, to_host, skip
-    )
+    others = functools.partial(_plain_objects_only, keep=keep)
+    host_walk = _walk.make(keep, recorded, others, _tree.kind_of, skip=skip) if host else None
+    walks = (host_walk, memo_walk)
+    return Plan(dev, non_blocking, dtype, keep, to, alone, one, *walks, not host, gathers, stage, to_host, skip)
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -217,14 +213,15 @@ class State:
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     ordered = False  # on a side stream: whether it waits for the user's stream already
     planned = False  # whether the batch's plan (_layout.sending) decided what is staged: then no tensor is on its own
+    taken: list[torch.Tensor] | None = None  # the tensors behind ``views``, for a walk that meets them again (_item)
 
-    def __init__(self, p: Plan, made: dict[int, torch.Tensor] | None = None) -> None:
+    def __init__(self, p: Plan, rec: list[torch.Tensor] | None = None) -> None:  # rec: an optimistic walk's copies
         self.plan = p
         self.sources: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
         self.by_ptr: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.memo: dict[int, tuple[Any, Any]] = {}
-        self.made = made or {}
+        self.made = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
         self.waits: set[torch.device] = set()  # devices a move to the host waits for, beyond its sources'
 
@@ -275,7 +272,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
             out = _back.brought(obj, max_bytes)
             if out is not None:
                 return out
-        s = State(p, _made(rec))
+        s = State(p, rec)
         return s.finish(_batch(obj, s, True, max_bytes))
     except (_NeedsMemo, RecursionError):  # an object the memo walk moves, or deep nesting
         return _walk_again(obj, p, rec)
@@ -287,12 +284,8 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
 
 
 def _walk_again(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an optimistic walk, reusing its copies
-    s = State(p, _made(rec))
+    s = State(p, rec)
     return s.finish(_walked(obj, s, obj))
-
-
-def _made(rec: list[torch.Tensor]) -> dict[int, torch.Tensor]:  # an optimistic walk's copies, by source id
-    return dict(zip(map(id, rec[-2::-2]), rec[::-2]))
 
 
 def _walked(x: Any, s: State, original: Any) -> Any:  # the memo walk over x; errors name paths in original
@@ -316,9 +309,8 @@ def _same_address(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tenso
         if src is t:
             return done
     for src, done in entries:
-        # Distinct tensors over exactly the same memory (tied weights in a state_dict) come out
-        # sharing memory too. Not for tensors requiring grad: a shared view would route the
-        # gradient through the wrong source.
+        # Distinct tensors over exactly the same memory (tied weights) come out sharing memory too; not those
+        # requiring grad, where a shared view would route the gradient through the wrong source.
         if done is not src and type(t) is _Tensor and type(src) is _Tensor and _layout.same_view(src, t):
             out = done.view(done.shape)
             entries.append((t, out))
@@ -355,8 +347,7 @@ def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: it
 
 def _leaf(x: Any, code: int, s: State) -> Any:
     if code == _tree.SLOT:  # an AliasSlot: a distinct tensor over the same memory as another, a view of its view
-        # The same tensor reached twice is one AliasSlot: one view for both places. Kept per skeleton
-        # filled, since two packed batches may share a skeleton (a copy, a pinned batch).
+        # One AliasSlot, one view for both places; kept per skeleton filled, as two batches may share one.
         view = _slot(x, s)  # outside a skeleton: the error that says so
         aliases = s.aliases
         assert aliases is not None
@@ -368,7 +359,7 @@ def _leaf(x: Any, code: int, s: State) -> Any:
         return _to_object(x, s)
     if code == _tree.OWN:
         return x._todevice_move_(s)
-    return _plain_objects_only(x, code, [])  # nn.Modules and unknown objects: as they are (strict=True reported them)
+    return _plain_objects_only(x, code, [], s.plan.keep)  # nn.Modules and unknown objects: as they are
 
 
 def _to_object(obj: Any, s: State) -> Any:
@@ -389,8 +380,28 @@ def _to_object(obj: Any, s: State) -> Any:
         s.waits.update(held)
     s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out
     if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(obj, out, p.skip, lambda v: _memo_walk(v, s))  # into out itself
+        _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_item, s=s), functools.partial(_seen, s))
     return out
+
+
+def _item(x: Any, s: State) -> Any:
+    """An item of a mapping its own .to() moved, walked with the memo; a coalesced batch's tensors known to it first."""
+    taken, s.taken = s.taken, None
+    for t, view in zip(taken or (), s.views or ()):
+        _seen(s, t, view)
+    return _memo_walk(x, s)
+
+
+def _seen(s: State, t: torch.Tensor, out: torch.Tensor) -> None:  # t's copy, made outside the walk: kept for a repeat
+    ptr = _ptr(t)
+    s.by_ptr.setdefault(ptr, []).append((t, out)) if ptr else s.memo.setdefault(id(t), (t, out))
+
+
+def _ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
+        return 0
 
 
 def move(
@@ -588,7 +599,7 @@ def _taken(obj: Any, s: State, max_bytes: int) -> _layout.Taken | None:
 def _filled(taken: _layout.Taken, s: State, obj: Any, views: Callable[[], list[torch.Tensor]]) -> Any:
     """The skeleton walked, its slots filled with ``views()`` and every other tensor moved; errors name paths."""
     try:
-        s.views, s.aliases = views(), {}
+        s.views, s.aliases, s.taken = views(), {}, taken.tensors
     except LeafError as failure:  # from a tensor copied alone
         _walk.explain(failure, obj, s.plan.dev, skip=s.plan.skip)
     return _walked(taken.skeleton, s, obj)
@@ -672,18 +683,6 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
             _walk.raise_with_message(err, msg)
         s.buffers.append(buffer)
     return _layout.read(buffer, lay, p.dtype, made=s.buffers)
-
-
-def move_on_stream(
-    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any] = frozenset()
-) -> tuple[Any, list[torch.Tensor], torch.Event]:
-    """For prefetch(): ``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed
-    over yet: the consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
-    s = State(plan(dev, non_blocking, None, skip))
-    out, _ = _on_stream(batch, s, side, None, COALESCE_MAX_BYTES)
-    copied = _stream.record_event(side, dev)
-    s.finish()
-    return out, s.outputs(), copied
 
 
 def _on_stream(

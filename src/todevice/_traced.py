@@ -358,7 +358,7 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
         out = target
     h.memo[id(x)] = out  # before its items are walked: one that holds x itself gets out
     if isinstance(x, _Mapping):  # what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h))  # into out itself
+        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h), lambda t, o: h.memo.setdefault(id(t), o))
     return out
 
 

@@ -411,10 +411,25 @@ def copy_for_to(obj: Any) -> Any:
         raise  # deep nesting: the walk falls back to one with a stack
     except Exception:
         return obj  # not copyable: its own .to() is all there is
-    state = getattr(target, "__dict__", None)
-    if state and getattr(tp, "__copy__", None) is None and any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
+    state, own = _state(target), _state(obj)
+    if (
+        type(state) is dict
+        and state is not own  # a copy that adopted the input's own __dict__ (its __setstate__ did) is left alone
+        and getattr(tp, "__copy__", None) is None
+        and any(type(v) in _PLAIN_CONTAINERS for v in state.values())
+    ):
         _copy_plain_containers(state)
     return target
+
+
+def _state(obj: Any) -> Any:
+    """``obj.__dict__`` as stored (no ``__getattr__`` of the class runs), or None."""
+    if torch.compiler.is_dynamo_compiling():  # dynamo reads it as the class does, and cannot call the slot itself
+        return getattr(obj, "__dict__", None)
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except Exception:  # slots only, or a __dict__ property that raises (a proxy's)
+        return None
 
 
 def _copy_plain_containers(state: dict[str, Any]) -> None:
@@ -435,13 +450,17 @@ def _copy_plain_containers(state: dict[str, Any]) -> None:
                 node[key] = new
 
 
-def rest_of_mapping(obj: Any, out: Any, skip: frozenset[Any], move_item: Callable[[Any], Any]) -> Any:
+def rest_of_mapping(
+    obj: Any, out: Any, skip: frozenset[Any], move_item: Callable[[Any], Any], seen: Callable[[Any, Any], None]
+) -> Any:
     """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be.
 
     Such a ``.to()`` moves only what has a ``.to()`` (a BatchEncoding's): an item that is a container
-    (a list of tensors) is moved by ``move_item``, and an item under a key in ``skip`` is put back as
-    ``obj`` holds it. Written through ``out[key] = ...``, which is the copy the ``.to()`` was called on
-    or what it returned; one that cannot be written into is left as it is. Returns ``out``.
+    (a list of tensors) is moved by ``move_item``, after ``seen(source, result)`` has been told of each
+    tensor its ``.to()`` moved, so that a tensor held twice stays one; an item under a key in ``skip`` is
+    put back as ``obj`` holds it. Written through ``out[key] = ...``, into the copy the ``.to()`` was
+    called on or what it returned; an item that ``out`` refuses stays as its ``.to()`` left it, and an
+    ``out`` that is not a mutable mapping is left as it is. Returns ``out``.
     """
     items: Any = out
     if collections.UserDict in type(out).__mro__ and type(out.data) is dict:
@@ -450,18 +469,33 @@ def rest_of_mapping(obj: Any, out: Any, skip: frozenset[Any], move_item: Callabl
         return out
     if not skip and set(map(type, items.values())) <= _JUST_TENSORS:
         return out  # the usual case: every item a tensor, which its .to() moved
+    pairs = [(key, value, obj.get(key, _ABSENT)) for key, value in items.items()]
+    for _, value, before in pairs:
+        if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor):
+            seen(before, value)
     changes = []
-    for key, value in items.items():
+    for key, value, before in pairs:
         if key in skip:
-            if key in obj and value is not obj[key]:
-                changes.append((key, obj[key]))
+            if before is not _ABSENT and value is not before:
+                changes.append((key, before))
         elif not isinstance(value, torch.Tensor):
-            new = move_item(value)
+            try:
+                new = move_item(value)
+            except LeafError as failure:
+                inner = failure.within(obj, value)
+                inner.inner = f"[{key!r}]" + inner.inner
+                raise inner from failure.err
             if new is not value:
                 changes.append((key, new))
     for key, value in changes:
-        out[key] = value
+        try:
+            out[key] = value
+        except Exception:  # a mapping that validates what it is given: that item stays as its .to() left it
+            continue
     return out
+
+
+_ABSENT: Any = object()
 
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
@@ -535,16 +569,14 @@ def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
     return found or set(_stream.devices_in_use())
 
 
-def left_behind(obj: Any) -> None:
-    """Warn where an object move() passes through as it is holds a tensor in an attribute of its own."""
-    try:
-        state = object.__getattribute__(obj, "__dict__")  # as stored: no __getattr__ of the class runs
-    except AttributeError:  # slots only
-        return
+def left_behind(obj: Any, keep: Callable[[torch.Tensor], bool]) -> None:
+    """Warn where an object move() passes through as it is holds, in an attribute of its own, a tensor that the
+    move would have copied (``keep`` says which it would not)."""
+    state = _state(obj)
     if type(state) is not dict:
         return
     for name, value in state.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not keep(value):
             tp = type(obj)
             msg = (
                 f"move() passed a {tp.__module__}.{tp.__qualname__} through as it is, so the tensor in its .{name} "

@@ -32,10 +32,10 @@ class PackedBatchAttributeError(PackedBatchError, AttributeError):
 
 class TensorsLeftBehindWarning(UserWarning):
     """``move()`` passed an object through that it does not walk (neither a container it knows, nor registered,
-    nor with a ``.to()`` of its own), and that object holds tensors in its attributes: they were not moved.
-    Raised once per type and attribute (Python's default warning filter). The message names the type and the
-    attribute, and the fixes: ``todevice.register()`` its type, give it a ``.to()``, or pass ``strict=True``
-    to make it an error.
+    nor with a ``.to()`` of its own), and that object holds, in its ``__dict__``, a tensor the move would have
+    copied: it was not moved. The message names the type and the attribute, and the fixes: ``todevice.register()``
+    its type, give it a ``.to()``, or pass ``strict=True`` to make it an error. Python's default warning filter
+    shows it once per line of the calling code and message.
 
     .. versionadded:: 0.2.0
     """
