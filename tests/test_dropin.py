@@ -584,10 +584,14 @@ def test_coalesced_moves_while_another_thread_unregisters() -> None:
         while not stop.is_set():
             todevice.register(Box, lambda b: ([b.v], None), lambda aux, ch: Box(ch[0]))
             todevice.unregister(Box)
+            # A loop of pure Python holds the GIL for whole switch intervals (5 ms), and a move that waits for
+            # the registry's lock then waits one interval per wait: 300 moves took 40 s. Registrations still
+            # land between and within the moves.
+            time.sleep(0)
 
     thread = threading.Thread(target=churn)
     thread.start()
-    deadline = time.monotonic() + 5  # the churning thread holds the GIL half the time: 2,000 moves took 30 to 45 s
+    deadline = time.monotonic() + 5
     try:
         for i in range(2000):
             if i >= 300 and time.monotonic() > deadline:
