@@ -411,11 +411,12 @@ def copy_for_to(obj: Any) -> Any:
         raise  # deep nesting: the walk falls back to one with a stack
     except Exception:
         return obj  # not copyable: its own .to() is all there is
-    state, own = _state(target), _state(obj)
+    if getattr(tp, "__copy__", None) is not None:
+        return target  # its class's own copy (a BatchEncoding's, a UserDict's): its word
+    state = _state(target)
     if (
         type(state) is dict
-        and state is not own  # a copy that adopted the input's own __dict__ (its __setstate__ did) is left alone
-        and getattr(tp, "__copy__", None) is None
+        and state is not _state(obj)  # not a copy that adopted the input's own (__setstate__)
         and any(type(v) in _PLAIN_CONTAINERS for v in state.values())
     ):
         _copy_plain_containers(state)
