@@ -376,11 +376,12 @@ def test_coalescing_options_give_per_leaf_copies_under_compile() -> None:
     check(out, todevice.move(obj, "meta"))
 
 
-def test_the_traced_function_takes_what_move_takes() -> None:
+def test_the_traced_function_takes_what_move_takes_but_what_the_compiler_schedules() -> None:
     def shape(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
         return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
 
-    assert shape(_traced.compiled) == shape(todevice.move)
+    unused = {"coalesce", "coalesce_max_bytes", "stream", "out"}  # out= is copied eagerly, between two graphs
+    assert shape(_traced.compiled) == [(n, k) for n, k in shape(todevice.move) if n not in unused]
     assert "_torchdynamo_inline" not in vars(todevice.move)  # functools.wraps would copy it onto a wrapper
 
 

@@ -79,7 +79,6 @@ ALLOWED_STATE = {
     "_tree._kinds",  # a type's rule, cleared on registration, gone when its type dies
     "_tree._refs",  # the types of _kinds, held weakly
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
-    "_stream._resolved",  # a device argument's torch.device, bounded
     "_move._plans",  # move()'s arguments' plan, bounded
     "_into._checked",  # what out='s checks found of a set of targets, bounded, verified against them on every use
 }
@@ -108,13 +107,61 @@ def test_process_wide_state_is_the_registry_and_bounded_caches() -> None:
 
 
 def test_a_plan_is_a_pure_function_of_its_key() -> None:
-    first = _move.plan(torch.device("meta"), True, None)
+    first = _move.plan_for(torch.device("meta"), True, None)
     todevice.move({"x": [torch.ones(2)]}, "meta")
     todevice.move([torch.ones(3)] * 3, "cpu", dtype=torch.float64)
-    assert _move.plan(torch.device("meta"), True, None) is first
+    assert _move.plan_for(torch.device("meta"), True, None) is first
     assert (
         first.host_walk is not None and "self" not in inspect.signature(first.host_walk.walk).parameters
     )  # the walk keeps nothing of a call
+
+
+def test_one_cache_takes_the_arguments_to_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """move()'s arguments find their plan in ``_plans`` alone: a plan is made once per arguments, devices included."""
+    made: list[Any] = []
+    real = _move.plan
+    monkeypatch.setattr(_move, "plan", lambda *args: made.append(args) or real(*args))
+    _move._plans.clear()
+    t = torch.ones(2)
+    for _ in range(3):
+        todevice.move(t, "meta")
+        todevice.move({"x": t}, torch.device("meta"), skip_keys=["y"])  # a list: made a frozenset, then looked up
+    assert made == [("meta", True, None, frozenset()), (torch.device("meta"), True, None, frozenset({"y"}))]
+    assert not any(isinstance(fn, functools._lru_cache_wrapper) for fn in (_move.plan, _stream.resolve_device))
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, "yes"])
+def test_a_refused_argument_is_refused_whatever_ran_before(bad: Any) -> None:
+    """1 == True as a cache key: the plan found for True never lets non_blocking=1 through, before or after."""
+    t = torch.ones(2)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="non_blocking takes True or False"):
+            todevice.move(t, "meta", non_blocking=bad)
+        assert todevice.move(t, "meta").is_meta
+    assert _move.plan_for("meta", True, None).non_blocking is True
+    with pytest.raises(TypeError, match=r"expected a str, an int or a torch\.device"):
+        todevice.move(t, False)  # equal to 0 as a key, and no device
+    with pytest.raises(TypeError, match=r"expected a str, an int or a torch\.device"):
+        todevice.move(t, ["meta"])  # unhashable: refused uncached, with the message
+
+
+def test_an_accelerator_named_without_an_index_is_its_current_device_on_each_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An accelerator named without an index means its current device when the call is made: the cached plan only
+    says so, and the device's own plan is looked up on each call (an accelerator faked by meta, which takes indices)."""
+    current = [0]
+    monkeypatch.setattr(_stream, "is_accelerator", lambda device: device.type == "meta")
+    monkeypatch.setattr(_stream, "HOST_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(_stream, "current_index", lambda: current[0])
+    _move._plans.clear()
+    try:
+        assert _move.plan_for("meta", True, None).dev == torch.device("meta", 0)
+        current[0] = 1
+        assert _move.plan_for("meta", True, None).dev == torch.device("meta", 1)
+        assert _move._plans[str, "meta", True, None] is None  # what the cache keeps for "meta" itself
+    finally:
+        _move._plans.clear()
 
 
 @pytest.mark.parametrize(

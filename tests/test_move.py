@@ -15,12 +15,12 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
 from tests import helpers, strategies
-from todevice import _move
+from todevice import _move, _stream
 
 
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = False) -> Any:
     """move()'s walk, and the state it left (its memo, its outputs)."""
-    p = _move.plan(device, True, dtype)
+    p = _move.plan_for(device, True, dtype)
     state = _move.State(p)
     out = _move._batch(tree, state, coalesce, _move.COALESCE_MAX_BYTES)
     return out, state
@@ -77,7 +77,7 @@ def test_aliases_and_shared_memory_survive(tree: Any) -> None:
 @given(strategies.trees)
 def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
     """The stack-based walk used past Python's recursion limit agrees with the fast walk."""
-    p = _move.plan(META, True, None)
+    p = _move.plan_for(META, True, None)
     helpers.assert_same_tree(p.memo_walk.walk_iteratively(tree, _move.State(p)), todevice.move(tree, "meta"))
 
 
@@ -465,20 +465,20 @@ def test_same_geometry_different_dtype_does_not_share() -> None:
 def test_device_to_host_waits_before_returning(monkeypatch: pytest.MonkeyPatch) -> None:
     """A non_blocking copy into host memory is synchronized once per source device before return."""
     synced: list[torch.device] = []
-    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    monkeypatch.setattr(_stream, "synchronize", synced.append)
 
     class OnAGpu:
         device = torch.device("cuda", 0)
         is_cpu = is_meta = False
 
-    _move._wait_for([OnAGpu(), OnAGpu(), torch.ones(1)])  # type: ignore[list-item]  # what copies from cuda:0 leave
+    _stream.wait_for([OnAGpu(), OnAGpu(), torch.ones(1)])  # type: ignore[list-item]  # what copies from cuda:0 leave
     assert synced == [OnAGpu.device]
 
 
 def test_moves_to_the_host_wait_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every way a move to the host can go ends in one wait for the copies' source devices."""
     waited: list[Any] = []
-    monkeypatch.setattr(_move, "_wait_for", lambda sources, also=None: waited.append(list(sources)))
+    monkeypatch.setattr(_stream, "wait_for", lambda sources, also=None: waited.append(list(sources)))
     t, u = torch.ones(2), torch.zeros(3)
     packed = todevice.pack({"p": torch.ones(1)})
     paths = {
@@ -499,13 +499,13 @@ def test_moves_to_the_host_wait_on_every_path(monkeypatch: pytest.MonkeyPatch) -
 
 def test_host_copies_do_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[torch.device] = []
-    monkeypatch.setattr(_move._stream, "synchronize", synced.append)
+    monkeypatch.setattr(_stream, "synchronize", synced.append)
     todevice.move({"x": torch.ones(2)}, "cpu", dtype=torch.float64)
     assert synced == []
 
 
 def test_blocking_moves_to_the_host_never_wait() -> None:
-    assert not _move.plan(CPU, False, None).to_host
+    assert not _move.plan_for(CPU, False, None).to_host
 
 
 # ---------------------------------------------------------------- deep and cyclic structures
@@ -709,12 +709,15 @@ class _PinRecorder(torch.Tensor):
 
 
 @pytest.mark.parametrize(("pinned", "expected"), [(False, False), (True, True)])
-def test_mps_copies_from_pageable_memory_are_blocking(pinned: bool, expected: bool) -> None:
+def test_mps_copies_from_pageable_memory_are_blocking(
+    pinned: bool, expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Async pageable-to-MPS copies can return zeros (pytorch#83015): only pinned sources go async."""
     t = torch.Tensor._make_subclass(_PinRecorder, torch.ones(2))
     t.pinned = pinned
     _PinRecorder.calls = []
-    _move.plan(torch.device("mps"), True, None).to(t)
+    monkeypatch.setattr(_stream, "resolve_device", lambda device, *args, **kwargs: device)  # no MPS here
+    _move.plan(torch.device("mps"), True, None).to(t)  # type: ignore[union-attr]
     assert _PinRecorder.calls == [expected]
 
 

@@ -38,7 +38,7 @@ def packed_tensors(tree: Any) -> list[torch.Tensor]:
 
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = True) -> Any:
     """move()'s walk, and the state it left (its outputs)."""
-    p = _move.plan(device, True, dtype)
+    p = _move.plan_for(device, True, dtype)
     state = _move.State(p)
     out = _move._batch(tree, state, coalesce, _move.COALESCE_MAX_BYTES)
     return out, state
@@ -567,7 +567,7 @@ def test_a_side_stream_waits_for_the_users_before_copying_accelerator_memory(mon
     """A source on an accelerator may still be written by the user's stream: the first such copy waits once."""
     log: list[tuple[str, ...]] = []
     user, side = FakeStream("user", log), FakeStream("side", log)
-    s = _move.State(_move.plan(META, True, None))
+    s = _move.State(_move.plan_for(META, True, None))
     s.streams = (user, side)  # type: ignore[assignment]
 
     class OnAGpu:

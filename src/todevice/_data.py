@@ -40,7 +40,7 @@ def moved_on(
 ) -> tuple[Any, list[torch.Tensor], torch.Event]:
     """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
-    s = _move.State(_move.plan(dev, non_blocking, None, skip))
+    s = _move.State(_move.plan_for(dev, non_blocking, None, skip))
     out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
     copied = _stream.record_event(side, dev)
     return s.finish(out), s.outputs(), copied

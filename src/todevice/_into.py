@@ -15,7 +15,6 @@ import bisect
 import functools
 import itertools
 import operator
-from collections.abc import Collection, Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -37,23 +36,18 @@ class _Mismatch(Exception):
 def into(
     batch: Any,
     out: Any,
-    device: Any,
+    dev: torch.device | None,
     non_blocking: bool,
     dtype: torch.dtype | None,
     coalesce: bool | None,
     max_bytes: int,
     stream: Any,
     strict: bool,
-    skip_keys: Hashable | Collection[Hashable] | None,
+    skip: frozenset[Any],
 ) -> Any:
-    """``move(batch, device, out=out, ...)``: ``out`` itself, its tensors holding ``batch``'s values."""
-    dev = None if device is None else _stream.resolve_device(device)
-    _options.check_bool(non_blocking, "non_blocking")
+    """``move(batch, dev, out=out, ...)``, its device and options checked but ``coalesce``: ``out`` itself, its
+    tensors holding ``batch``'s values."""
     _options.check_coalesce(coalesce)
-    if dtype is not None:
-        _options.check_dtype(dtype)
-    _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
-    skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
     if stream is not None:
         msg = (
             "Cannot copy into out= on a side stream: the copies overwrite memory that work on the current "

@@ -442,6 +442,14 @@ def nbytes(t: torch.Tensor) -> int:
         return 0
 
 
+def ptr(t: torch.Tensor) -> int:
+    """``t.data_ptr()``; 0 for sparse tensors and wrapper subclasses, which have no single storage."""
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:
+        return 0
+
+
 def distinct(sources: list[torch.Tensor]) -> bool:
     """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
     try:

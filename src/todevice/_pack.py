@@ -229,7 +229,7 @@ class PackedBatch:
         if _traced.compiling():  # per-leaf copies, which the compiler schedules
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
         # move(batch, device, coalesce=False), without walking to the batch.
-        s = _move.State(_move._plan_for("cpu" if device is None else device, non_blocking, None))
+        s = _move.State(_move.plan_for("cpu" if device is None else device, non_blocking, None))
         out = _move._walked(self, s, self)
         s.finish()
         return out

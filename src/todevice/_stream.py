@@ -14,8 +14,6 @@ DeviceLike = Union[str, int, torch.device]
 # Devices that always exist and never need a wait.
 HOST_TYPES = frozenset({"cpu", "meta"})
 
-_resolved: dict[object, tuple[torch.device, bool]] = {}
-
 
 def _backend(device_type: str) -> types.ModuleType | None:
     """torch.cuda, torch.xpu, torch.mps, or a PrivateUse1 backend's module, when there is one."""
@@ -94,35 +92,18 @@ def set_index(index: int) -> None:
     torch.accelerator.set_device_index(index)
 
 
-def checked_device(device: DeviceLike, verb: str) -> torch.device:
-    """``resolve_device``, its errors saying ``verb`` ("check against") where they say "move to"."""
-    try:
-        return resolve_device(device)
-    except (TypeError, ValueError):
-        _device_arg(device, verb)  # raises the same error, with the verb
-        raise
-
-
-def resolve_device(device: DeviceLike) -> torch.device:
-    """The torch.device for ``device``, or ValueError/TypeError naming it; valid answers are cached.
+def resolve_device(device: DeviceLike, verb: str = "move to", current: bool = True) -> torch.device:
+    """The torch.device for ``device``, or ValueError/TypeError naming it (and ``verb``, "check against" for one).
 
     ``"cpu:0"`` is ``"cpu"``, as tensors say. An accelerator named without an index (``"cuda"``)
-    means its current device, as ``.to()`` reads it; the index is filled in on every call, since the
-    current device can change.
+    means its current device, as ``.to()`` reads it: that index is filled in, unless ``current`` is
+    False, for a caller that fills it in on each call, since the current device can change.
     """
-    key = (type(device), device)  # 0, 0.0, False and np.int64(0) are equal as dict keys
-    try:
-        dev, current = _resolved[key]
-    except (KeyError, TypeError):
-        dev = _device_arg(device)  # raises for an unhashable device, so the key below is hashable
-        if dev.type == "cpu":
-            dev = torch.device("cpu")
-        index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
-        current = index is None and dev.type not in HOST_TYPES and is_accelerator(dev)
-        if len(_resolved) >= 256:  # strings made per call would otherwise pile up
-            _resolved.clear()
-        _resolved[key] = dev, current
-    if current:
+    dev = _device_arg(device, verb)
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
+    if current and index is None and dev.type not in HOST_TYPES and is_accelerator(dev):
         return torch.device(dev.type, current_index())
     return dev
 
@@ -136,6 +117,13 @@ def synchronize(device: torch.device) -> None:
     sync = getattr(mod, "synchronize", None)
     if callable(sync):
         sync()
+
+
+def wait_for(sources: list[torch.Tensor], also: set[torch.device] | None = None) -> None:
+    """Wait for the copies into host memory from these tensors' accelerators (and ``also``'s)."""
+    devices = {t.device for t in sources if not t.is_cpu and not t.is_meta}
+    for dev in devices.union(also) if also else devices:
+        synchronize(dev)
 
 
 def devices_in_use() -> list[torch.device]:

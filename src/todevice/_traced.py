@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from todevice import _into, _layout, _options, _tree, _walk
+from todevice import _layout, _options, _tree, _walk
 
 _OrderedDict, _defaultdict, _deque = collections.OrderedDict, collections.defaultdict, collections.deque
 
@@ -81,26 +81,16 @@ def compiled(
     *,
     non_blocking: bool = True,
     dtype: torch.dtype | None = None,
-    coalesce: bool | None = None,
-    coalesce_max_bytes: int | None = None,
-    stream: Any = None,
     strict: bool = False,
     skip_keys: Hashable | Collection[Hashable] | None = None,
-    out: Any = None,
 ) -> Any:
-    """What dynamo traces in place of :func:`todevice.move`: its signature, and per-leaf copies.
+    """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs).
 
-    ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are accepted and ignored (see the module's
-    docstring). A bad argument raises here; dynamo then runs the call as plain Python, where the
-    eager move's own checks raise with their full message. (A device string that torch does not
-    know fails while tracing, with torch's message.)
+    ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are not passed on (see the module's docstring).
+    A bad argument raises here; dynamo then runs the call as plain Python, where the eager move's own
+    checks raise with their full message. (A device string that torch does not know fails while
+    tracing, with torch's message.)
     """
-    if out is not None:
-        # Copies into out= run as they do eagerly, between two graphs (a graph break): they check every
-        # pair before writing, and write memory that the graph before and the graph after read.
-        max_bytes = _options.COALESCE_MAX_BYTES if coalesce_max_bytes is None else coalesce_max_bytes
-        eager = torch.compiler.disable(_into.into)  # type: ignore[no-untyped-call]
-        return eager(obj, out, device, non_blocking, dtype, coalesce, max_bytes, stream, strict, skip_keys)
     dev = _device(device)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
         msg = f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only."
@@ -148,7 +138,7 @@ class _How:
     ) -> None:
         self.dev, self.nb, self.dtype, self.skip, self.memo = dev, nb, dtype, skip, memo
         self.views: list[torch.Tensor] | None = None  # a packed batch's tensors, while its skeleton is walked
-        self.aliases: dict[int, torch.Tensor] | None = None  # the view each AliasSlot got, with ``views``
+        self.aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the view each AliasSlot got, with ``views``
         self.held: _How | None = None  # with ``views`` and keys to skip: how the skipped items are filled
         self.unknown = False  # whether an object that strict=True refuses was met
         self.fresh = False  # in a batch packed under torch.compile: every tensor copied, as if read from a buffer
@@ -197,7 +187,7 @@ def _moved(x: Any, h: _How) -> Any:
     if tp is tuple:
         return tuple([_moved(v, h) for v in x])
     if tp is _tree.Slot or tp is _tree.AliasSlot:  # before the atoms: a slot is an int
-        return _slot(x, h)
+        return _tree.filled(x, h.views, h.aliases)
     # A registration wins, as in _tree's rules (a registered subclass of int is a container).
     reg = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
     if reg is not None:
@@ -432,19 +422,3 @@ def _read(buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
             part = [v.to(g.final) for v in part]
         views.extend(part)
     return [views[i] for i in lay.order]
-
-
-def _slot(x: Any, h: _How) -> Any:
-    """A packed skeleton's hole: its tensor, or for an AliasSlot a new view of it, as the eager unpack fills it."""
-    views, aliases = h.views, h.aliases
-    if views is None or aliases is None:
-        msg = f"Cannot move {x!r}: a slot only means something inside a PackedBatch's skeleton."
-        raise TypeError(msg)
-    at = x.real  # the plain int: dynamo before 2.12 does not take an int subclass as an index
-    if type(x) is _tree.Slot:
-        return views[at]
-    hit = aliases.get(id(x))  # one AliasSlot met twice is one view
-    if hit is None:
-        view = views[at]
-        hit = aliases[id(x)] = view.view(view.shape)
-    return hit

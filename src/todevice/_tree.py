@@ -90,6 +90,21 @@ class AliasSlot(Slot):
     __slots__ = ()
 
 
+def filled(slot: Slot, views: list[Any] | None, aliases: dict[int, tuple[Slot, Any]] | None) -> Any:
+    """What fills a packed skeleton's slot: its tensor of ``views``; for an AliasSlot, a new view of it, one per
+    AliasSlot however often met (``aliases``, per skeleton filled: two batches may share one)."""
+    if views is None or aliases is None:
+        msg = f"Cannot move {slot!r}: a slot only means something inside a PackedBatch's skeleton."
+        raise TypeError(msg)
+    view = views[slot.real]  # the plain int: dynamo before 2.12 does not take an int subclass as an index
+    if type(slot) is Slot:
+        return view
+    hit = aliases.get(id(slot))
+    if hit is None:
+        hit = aliases[id(slot)] = (slot, view.view(view.shape))  # the slot kept alive, so its id stays its own
+    return hit[1]
+
+
 class Deferred:
     """A registered container in a packed skeleton: rebuilt by its own unflatten only when unpacked.
 
