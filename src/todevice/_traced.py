@@ -34,7 +34,6 @@ Where the result differs from the eager move, and why:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Collection, Hashable, Mapping as _Mapping
 from typing import Any
@@ -42,8 +41,6 @@ from typing import Any
 import torch
 
 from todevice import _layout, _options, _tree, _walk
-
-_OrderedDict, _defaultdict, _deque = collections.OrderedDict, collections.defaultdict, collections.deque
 
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
 # (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
@@ -166,11 +163,6 @@ def _one(t: torch.Tensor, h: _How) -> torch.Tensor:
     return t.to(h.dev, cast, non_blocking=h.nb)
 
 
-def _items(x: Any, h: _How) -> list[tuple[Any, Any]]:
-    skip = h.skip
-    return [(k, _kept(v, h) if k in skip else _moved(v, h)) for k, v in x.items()]
-
-
 def _kept(x: Any, h: _How) -> Any:
     """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
     return x if h.held is None else _moved(x, h.held)
@@ -181,7 +173,8 @@ def _moved(x: Any, h: _How) -> Any:
     if isinstance(x, torch.Tensor):
         return _tensor(x, h)
     if tp is dict:
-        return dict(_items(x, h))
+        skip = h.skip
+        return {k: _kept(v, h) if k in skip else _moved(v, h) for k, v in x.items()}
     if tp is list:
         return [_moved(v, h) for v in x]
     if tp is tuple:
@@ -194,20 +187,13 @@ def _moved(x: Any, h: _How) -> Any:
         return _node(x, reg, h)
     if tp in _tree._ATOMIC_EXACT or isinstance(x, _tree._ATOMIC_BASES):  # _tree's atoms (numpy's go through _rule)
         return x
-    if tp is _OrderedDict:
-        return _OrderedDict(_items(x, h))
-    if tp is _defaultdict:
-        return _defaultdict(x.default_factory, _items(x, h))
-    if tp is _deque:
-        return _deque([_moved(v, h) for v in x], maxlen=x.maxlen)
-    if tp is set:
-        return set([_moved(v, h) for v in x])
-    if tp is frozenset:
-        if any(isinstance(v, torch.Tensor) for v in x) and torch.compiler.is_dynamo_compiling():
+    builtin = _tree._BUILTIN.get(tp)  # OrderedDict, defaultdict, deque, set, frozenset: by their _tree rules
+    if builtin is not None:
+        if tp is frozenset and any(isinstance(v, torch.Tensor) for v in x) and torch.compiler.is_dynamo_compiling():
             # Dynamo (2.13) rebuilds a frozenset of tensors only in a frame that names frozenset
             # itself, which the caller's may not: this one is compiled on its own instead.
             torch._dynamo.graph_break()
-        return frozenset([_moved(v, h) for v in x])
+        return _node(x, builtin, h)
     rule = _rule(tp)
     if rule == _KEEP:
         return x
