@@ -17,10 +17,11 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
 from tests import helpers
-from todevice import _traced, _walk
+from todevice import _inspect, _traced, _walk
 
 SRC = Path(todevice.__file__).parent
 
@@ -136,6 +137,45 @@ def test_fullgraph_move_is_one_graph_of_per_leaf_copies() -> None:
     assert len(graphs) == 1
     copies = [n for n in graphs[0].graph.nodes if n.op == "call_method" and n.target == "to"]
     assert len(copies) == 3  # x and i, each met twice and copied once, and y
+
+
+class _MovesItself(collections.UserDict):  # a tokenizer's BatchEncoding: a mapping whose .to() works in place
+    def to(self, device: Any, dtype: Any = None, non_blocking: bool = False) -> _MovesItself:
+        self.data = {k: v.to(device, dtype, non_blocking=non_blocking) for k, v in self.data.items()}
+        return self
+
+
+def _twice(x: torch.Tensor) -> dict[str, Any]:
+    return {"a": x, "b": [x], "c": torch.ones(2)}
+
+
+NEW_EACH_STEP: dict[str, Callable[[int], Any]] = {
+    "a tensor met twice": lambda k: _twice(torch.full((3,), float(k))),
+    "nested": lambda k: structures()["nested"],
+    "packed sequence": lambda k: {"s": pack_padded_sequence(torch.full((2, 1), float(k)), [2])},
+    "mapping with .to()": lambda k: {"e": _MovesItself({"x": torch.full((2,), float(k))})},
+    "packed batch": lambda k: {"p": todevice.pack({"x": torch.full((2,), float(k)), "y": torch.arange(3) + k})},
+}
+
+
+@pytest.mark.parametrize("name", NEW_EACH_STEP)
+def test_a_compiled_step_is_not_compiled_again_for_each_new_batch(name: str) -> None:
+    """The traced walk never takes the id() of what it is given: dynamo would guard on that very object, and compile
+    the step again for every new batch until it gave up on it (8 times, then the step runs uncompiled)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    step = torch.compile(lambda b: todevice.move(b, "cpu", dtype=torch.float64), backend=backend)
+    step(NEW_EACH_STEP[name](0))
+    first = len(graphs)
+    for k in range(1, 5):
+        got, expected = step(NEW_EACH_STEP[name](k)), todevice.move(NEW_EACH_STEP[name](k), "cpu", dtype=torch.float64)
+        pairs = list(zip(_inspect._tensors(got), _inspect._tensors(expected), strict=True))  # .to() objects' too
+        assert pairs and all(p == q and t.dtype == u.dtype and torch.equal(t, u) for (p, t), (q, u) in pairs)
+    assert len(graphs) == first
 
 
 @pytest.mark.parametrize("fullgraph", [True, False])

@@ -107,6 +107,7 @@ def test_process_wide_state_is_the_registry_and_bounded_caches() -> None:
 
 
 def test_a_plan_is_a_pure_function_of_its_key() -> None:
+    _move._plans.clear()  # bounded: full of earlier tests' arguments, it could be cleared between two lookups
     first = _move.plan_for(torch.device("meta"), True, None)
     todevice.move({"x": [torch.ones(2)]}, "meta")
     todevice.move([torch.ones(3)] * 3, "cpu", dtype=torch.float64)
@@ -118,6 +119,7 @@ def test_a_plan_is_a_pure_function_of_its_key() -> None:
 
 def test_one_cache_takes_the_arguments_to_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """move()'s arguments find their plan in ``_plans`` alone: a plan is made once per arguments, devices included."""
+    assert not any(isinstance(fn, functools._lru_cache_wrapper) for fn in (_move.plan, _stream.resolve_device))
     made: list[Any] = []
     real = _move.plan
     monkeypatch.setattr(_move, "plan", lambda *args: made.append(args) or real(*args))
@@ -126,8 +128,11 @@ def test_one_cache_takes_the_arguments_to_a_plan(monkeypatch: pytest.MonkeyPatch
     for _ in range(3):
         todevice.move(t, "meta")
         todevice.move({"x": t}, torch.device("meta"), skip_keys=["y"])  # a list: made a frozenset, then looked up
-    assert made == [("meta", True, None, frozenset()), (torch.device("meta"), True, None, frozenset({"y"}))]
-    assert not any(isinstance(fn, functools._lru_cache_wrapper) for fn in (_move.plan, _stream.resolve_device))
+    assert made == [
+        ("meta", True, None, frozenset()),
+        (torch.device("meta"), True, None, frozenset()),  # the device and options checked first, then the keys
+        (torch.device("meta"), True, None, frozenset({"y"})),
+    ]
 
 
 @pytest.mark.parametrize("bad", [1, 0, None, "yes"])

@@ -717,7 +717,7 @@ def test_mps_copies_from_pageable_memory_are_blocking(
     t.pinned = pinned
     _PinRecorder.calls = []
     monkeypatch.setattr(_stream, "resolve_device", lambda device, *args, **kwargs: device)  # no MPS here
-    _move.plan(torch.device("mps"), True, None).to(t)  # type: ignore[union-attr]
+    _move.plan(torch.device("mps", 0), True, None).to(t)  # type: ignore[union-attr]  # never None with an index
     assert _PinRecorder.calls == [expected]
 
 

@@ -25,7 +25,7 @@ from hypothesis import given, strategies as st
 
 import todevice
 from tests import helpers, strategies
-from todevice import _layout, _move, _stream, _walk
+from todevice import _layout, _move, _stream, _tree, _walk
 
 META = torch.device("meta")
 ROOT = Path(__file__).resolve().parent.parent
@@ -1131,6 +1131,14 @@ def test_nothing_of_a_batch_is_kept_alive() -> None:
 def test_a_namedtuple_batch_round_trips() -> None:
     batch = helpers.Point(torch.ones(2), [torch.zeros(3), "s"])
     helpers.assert_same_tree(todevice.pack(batch).unpack(), batch, values=True, same=False)
+
+
+@pytest.mark.parametrize("slot", [_tree.Slot(0), _tree.AliasSlot(0)], ids=["Slot", "AliasSlot"])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_slot_outside_a_packed_skeleton_is_refused_with_its_error_alone(slot: Any, device: str) -> None:
+    with pytest.raises(TypeError, match=r"a slot only means something inside a PackedBatch's skeleton") as info:
+        todevice.move({"k": [torch.ones(1), slot]}, device)
+    assert info.value.__suppress_context__  # no exception of the walk's own shown above it
 
 
 def test_a_tied_tensor_reached_twice_comes_back_as_one_tensor() -> None:

@@ -39,12 +39,10 @@ class Plan(NamedTuple):
     skip: frozenset[Any]  # the keys whose items stay as they are
 
 
-class _NeedsMemo(Exception):  # the optimistic walk met an object that only the memo walk moves
-    pass
+class _NeedsMemo(Exception): ...  # the optimistic walk met an object that only the memo walk moves
 
 
-class _Gather(Exception):  # a move to the CPU met a tensor off the host, which the walk that coalesces moves
-    pass
+class _Gather(Exception): ...  # a move to the CPU met a tensor off the host, which the walk that coalesces moves
 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], keep: Callable[[torch.Tensor], bool]) -> Any:
@@ -170,12 +168,14 @@ def plan_for(
     device: Any, non_blocking: bool, dtype: Any, skip_keys: Any = None, max_bytes: Any = COALESCE_MAX_BYTES
 ) -> Plan:
     """The plan for move()'s arguments, or the error they deserve; "cuda" gets the plan of the device current now."""
-    _options.check_bool(non_blocking, "non_blocking")  # 1 would find True's plan
+    p = _cached(device, non_blocking, dtype, frozenset())  # checks the device, non_blocking and dtype, in that order
+    _options.check_bool(non_blocking, "non_blocking")  # 1 finds True's plan
     _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
     skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-    p = _cached(device, non_blocking, dtype, skip)
-    if p is None:
-        p = _cached(torch.device(torch.device(device).type, _stream.current_index()), non_blocking, dtype, skip)
+    if p is None:  # an accelerator named without an index
+        device = torch.device(torch.device(device).type, _stream.current_index())
+    if p is None or skip:
+        p = _cached(device, non_blocking, dtype, skip)
     return p  # type: ignore[return-value]  # a device with its index has a plan
 
 
@@ -186,7 +186,7 @@ def _cached(device: Any, non_blocking: bool, dtype: Any, skip: frozenset[Any]) -
     except (KeyError, TypeError):  # not made yet, or unhashable: plan() refuses every unhashable argument
         pass
     p = plan(device, non_blocking, dtype, skip)
-    if len(_plans) >= 64:  # arguments made per call would otherwise pile up
+    if len(_plans) >= 256:  # arguments made per call would otherwise pile up
         _plans.clear()
     _plans[key] = p
     return p
@@ -346,8 +346,7 @@ def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: it
     try:
         return s.views[x]  # type: ignore[index]
     except TypeError:  # no views: a slot met outside a skeleton
-        pass
-    return _tree.filled(x, None, None)  # type: ignore[no-any-return]  # the error that says so
+        return _tree.filled(x, None, None)  # type: ignore[no-any-return]  # the error that says so, alone
 
 
 def _leaf(x: Any, code: int, s: State) -> Any:

@@ -93,7 +93,7 @@ def compiled(
         msg = f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only."
         raise TypeError(msg)
     skip = _skip_set(skip_keys)
-    h = _How(dev, _non_blocking(non_blocking, dev), dtype, skip, {})
+    h = _How(dev, _non_blocking(non_blocking, dev), dtype, skip)
     out = _moved(obj, h)
     if strict and h.unknown:
         # The eager check, which lists every object not understood: it looks at each type through
@@ -126,14 +126,16 @@ def _skip_set(skip_keys: Hashable | Collection[Hashable] | None) -> frozenset[An
 
 
 class _How:
-    """One traced move's options, and its memo: the copy of each tensor met, by id."""
+    """One traced move's options, and its memos: the copy of each tensor met, by the tensor (an ``id()`` of a graph
+    input would make dynamo guard on that very object, and compile again for every new batch), and the result of
+    each other object moved as a whole, found by identity among the few a batch holds."""
 
-    __slots__ = ("aliases", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views")
+    __slots__ = ("aliases", "copies", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views")
 
-    def __init__(
-        self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[str], memo: dict[int, Any]
-    ) -> None:
-        self.dev, self.nb, self.dtype, self.skip, self.memo = dev, nb, dtype, skip, memo
+    def __init__(self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[str]) -> None:
+        self.dev, self.nb, self.dtype, self.skip = dev, nb, dtype, skip
+        self.copies: dict[torch.Tensor, torch.Tensor] = {}
+        self.memo: list[tuple[Any, Any]] = []
         self.views: list[torch.Tensor] | None = None  # a packed batch's tensors, while its skeleton is walked
         self.aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the view each AliasSlot got, with ``views``
         self.held: _How | None = None  # with ``views`` and keys to skip: how the skipped items are filled
@@ -143,9 +145,9 @@ class _How:
 
 def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
     """``t`` moved, once however often it is met."""
-    out = h.memo.get(id(t))
+    out = h.copies.get(t)  # a tensor hashes by identity
     if out is None:
-        out = h.memo[id(t)] = _one(t, h)
+        out = h.copies[t] = _one(t, h)
     return out
 
 
@@ -200,9 +202,10 @@ def _moved(x: Any, h: _How) -> Any:
     if rule & ~_TAKES_DTYPE in (_TO, _TO_NB):
         return _to_object(x, h, rule & ~_TAKES_DTYPE == _TO_NB, bool(rule & _TAKES_DTYPE))
     if rule == _PACKED:
-        out = h.memo.get(id(x))
+        out = _met(x, h)
         if out is None:
-            out = h.memo[id(x)] = _unpacked(x, h)
+            out = _unpacked(x, h)
+            h.memo.append((x, out))
         return out
     if rule == _NAMEDTUPLE:
         return tp._make([_moved(v, h) for v in x])
@@ -308,6 +311,14 @@ def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
     return kind.unflatten(aux, done)  # type: ignore[misc]
 
 
+def _met(x: Any, h: _How) -> Any:
+    """What ``x`` moved to, if it was met before in this move; else None."""
+    for src, out in h.memo:
+        if src is x:
+            return out
+    return None
+
+
 def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     """An object with its own ``.to()``: moved by it, on a shallow copy, as the eager move does.
 
@@ -317,7 +328,7 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     return self, which would mutate the input; a PackedSequence's ``.to()`` makes a new one. One that
     cannot be copied is moved by its own ``.to()``; one whose ``.to()`` returns None, the copy it moved.
     """
-    out = h.memo.get(id(x))
+    out = _met(x, h)
     if out is not None:
         return out
     target: Any = x
@@ -332,9 +343,9 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     out = target.to(h.dev, non_blocking=h.nb, **casts) if non_blocking else target.to(h.dev, **casts)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
-    h.memo[id(x)] = out  # before its items are walked: one that holds x itself gets out
+    h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if isinstance(x, _Mapping):  # what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h), lambda t, o: h.memo.setdefault(id(t), o))
+        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h), h.copies.setdefault)
     return out
 
 
@@ -355,7 +366,7 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
     packed outside is read as views of its buffer, which fill its slots.
     """
     dev = _device(device)
-    return _unpacked(batch, _How(dev, _non_blocking(non_blocking, dev), None, frozenset(), {}))
+    return _unpacked(batch, _How(dev, _non_blocking(non_blocking, dev), None, frozenset()))
 
 
 def _unpacked(batch: Any, h: _How) -> Any:
@@ -376,7 +387,7 @@ def _unpacked(batch: Any, h: _How) -> Any:
         views[k] = views[k].detach().requires_grad_()
     held = None
     if h.skip:  # the items to skip are filled where the buffer is, and nothing in them moves
-        held = _How(batch.buffer.device, False, None, frozenset(), {})
+        held = _How(batch.buffer.device, False, None, frozenset())
         held.views, held.aliases = read, {}
         for k in batch.requires_grad:
             read[k] = read[k].detach().requires_grad_()

@@ -95,7 +95,7 @@ def filled(slot: Slot, views: list[Any] | None, aliases: dict[int, tuple[Slot, A
     AliasSlot however often met (``aliases``, per skeleton filled: two batches may share one)."""
     if views is None or aliases is None:
         msg = f"Cannot move {slot!r}: a slot only means something inside a PackedBatch's skeleton."
-        raise TypeError(msg)
+        raise TypeError(msg) from None  # not the walk's own exceptions, being handled as it is met
     view = views[slot.real]  # the plain int: dynamo before 2.12 does not take an int subclass as an index
     if type(slot) is Slot:
         return view

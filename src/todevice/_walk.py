@@ -452,7 +452,7 @@ def _copy_plain_containers(state: dict[str, Any]) -> None:
 
 
 def rest_of_mapping(
-    obj: Any, out: Any, skip: frozenset[Any], move_item: Callable[[Any], Any], seen: Callable[[Any, Any], None]
+    obj: Any, out: Any, skip: frozenset[Any], move_item: Callable[[Any], Any], seen: Callable[[Any, Any], Any]
 ) -> Any:
     """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be.
 
