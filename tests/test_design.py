@@ -150,6 +150,16 @@ def test_a_refused_argument_is_refused_whatever_ran_before(bad: Any) -> None:
         todevice.move(t, ["meta"])  # unhashable: refused uncached, with the message
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"coalesce_max_bytes": -1}, {"non_blocking": 1, "out": {"x": torch.ones(1)}}, {"skip_keys": [[1]]}],
+    ids=["coalesce_max_bytes", "non_blocking with out", "skip_keys"],
+)
+def test_a_bad_device_is_named_before_any_other_option(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"Cannot move to device 'nope'"):
+        todevice.move({"x": torch.ones(1)}, "nope", **options)
+
+
 def test_an_accelerator_named_without_an_index_is_its_current_device_on_each_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
