@@ -410,18 +410,33 @@ def test_strict_traces_a_clean_batch_and_still_refuses_an_unknown_object() -> No
         compiled(lambda b: todevice.move(b, "meta", strict=True))({"x": torch.ones(2), "o": object()})
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"coalesce": "yes"}, TypeError, "coalesce takes None"),
+        ({"coalesce_max_bytes": -1}, ValueError, "expected a number of bytes"),
+        ({"stream": "side"}, TypeError, "stream takes a torch.Stream"),
+    ],
+    ids=["coalesce", "coalesce_max_bytes", "stream"],
+)
+def test_options_the_compiler_ignores_are_still_checked(options: dict[str, Any], error: type, match: str) -> None:
+    """A compiled move() ignores how copies are coalesced and on which stream, but refuses what eager move() refuses."""
+    for fn in (todevice.move, compiled(todevice.move)):
+        with pytest.raises(error, match=match):
+            fn({"x": torch.ones(2)}, "meta", **options)
+
+
 def test_coalescing_options_give_per_leaf_copies_under_compile() -> None:
     obj = structures()["nested"]
     out = compiled(lambda b: todevice.move(b, "meta", coalesce=True, coalesce_max_bytes=1 << 20), fullgraph=True)(obj)
     check(out, todevice.move(obj, "meta"))
 
 
-def test_the_traced_function_takes_what_move_takes_but_what_the_compiler_schedules() -> None:
+def test_the_traced_function_takes_what_move_takes_but_out() -> None:
     def shape(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
         return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values()]
 
-    unused = {"coalesce", "coalesce_max_bytes", "stream", "out"}  # out= is copied eagerly, between two graphs
-    assert shape(_traced.compiled) == [(n, k) for n, k in shape(todevice.move) if n not in unused]
+    assert shape(_traced.compiled) == [(n, k) for n, k in shape(todevice.move) if n != "out"]  # out=: eagerly
     assert "_torchdynamo_inline" not in vars(todevice.move)  # functools.wraps would copy it onto a wrapper
 
 

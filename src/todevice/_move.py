@@ -481,8 +481,9 @@ def move(
         return into(obj, out, device, *opts)  # type: ignore[no-any-return]
     if _compiling():  # 2. under torch.compile: one traced copy per tensor
         return _traced.compiled(  # type: ignore[no-any-return]
-            obj, device, non_blocking=non_blocking, dtype=dtype, strict=strict, skip_keys=skip_keys
-        )
+            obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
+            coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys,
+        )  # fmt: skip
     if non_blocking is not True and non_blocking is not False:  # 1 would find True's plan: refused on every call
         _options.check_bool(non_blocking, "non_blocking")  # type: ignore[unreachable]  # typed bool, any value at run time
     try:

@@ -19,7 +19,7 @@ result. So does a set of tensors, which dynamo does not take as an input.
 
 Where the result differs from the eager move, and why:
 
-- ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are ignored: the copies are the compiler's to
+- ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are checked, then ignored: the copies are the compiler's to
   schedule, on the current stream, which is also what makes them safe to use there.
 - A copy into host memory or to MPS is blocking (see ``_non_blocking``).
 - The same tensor met twice is copied once, but distinct tensors over the same memory (tied
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _options, _tree, _walk
+from todevice import _layout, _options, _stream, _tree, _walk
 
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
 # (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
@@ -78,16 +78,23 @@ def compiled(
     *,
     non_blocking: bool = True,
     dtype: torch.dtype | None = None,
+    coalesce: bool | None = None,
+    coalesce_max_bytes: int = _options.COALESCE_MAX_BYTES,
+    stream: Any = None,
     strict: bool = False,
     skip_keys: Hashable | Collection[Hashable] | None = None,
 ) -> Any:
     """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs).
 
-    ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are not passed on (see the module's docstring).
-    A bad argument raises here; dynamo then runs the call as plain Python, where the eager move's own
+    ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are checked, and otherwise ignored (see the module's
+    docstring). A bad argument raises here; dynamo then runs the call as plain Python, where the eager move's own
     checks raise with their full message. (A device string that torch does not know fails while
     tracing, with torch's message.)
     """
+    _options.check_coalesce(coalesce)
+    _options.check_max_bytes(coalesce_max_bytes, "coalesce with coalesce_max_bytes")
+    if stream is not None:
+        _stream.check_stream(stream)
     dev = _device(device)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
         msg = f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only."
