@@ -62,8 +62,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     _options.check_bool(non_blocking, "non_blocking")
     if dtype is not None:
         _options.check_dtype(dtype)
-    index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
-    if index is None and dev.type not in _stream.HOST_TYPES and _stream.is_accelerator(dev):
+    if _stream.means_current(dev):
         return None
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     if dtype is None and dev.type == "cpu":
@@ -170,7 +169,8 @@ def plan_for(
     """The plan for move()'s arguments, or the error they deserve; "cuda" gets the plan of the device current now."""
     p = _cached(device, non_blocking, dtype, frozenset())  # checks the device, non_blocking and dtype, in that order
     _options.check_bool(non_blocking, "non_blocking")  # 1 finds True's plan
-    _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
+    if max_bytes is not COALESCE_MAX_BYTES:  # "cuda" comes here on every call, with the default most of the time
+        _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
     skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
     if p is None:  # an accelerator named without an index
         device = torch.device(torch.device(device).type, _stream.current_index())

@@ -230,9 +230,7 @@ class PackedBatch:
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
         # move(batch, device, coalesce=False), without walking to the batch.
         s = _move.State(_move.plan_for("cpu" if device is None else device, non_blocking, None))
-        out = _move._walked(self, s, self)
-        s.finish()
-        return out
+        return s.finish(_move._walked(self, s, self))
 
 
 def _unpack_first(packed: PackedBatch) -> str:

@@ -102,10 +102,15 @@ def resolve_device(device: DeviceLike, verb: str = "move to", current: bool = Tr
     dev = _device_arg(device, verb)
     if dev.type == "cpu":
         return torch.device("cpu")
-    index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
-    if current and index is None and dev.type not in HOST_TYPES and is_accelerator(dev):
+    if current and means_current(dev):
         return torch.device(dev.type, current_index())
     return dev
+
+
+def means_current(dev: torch.device) -> bool:
+    """Whether ``dev`` names an accelerator without an index (``"cuda"``): whichever device is current at the time."""
+    index: int | None = dev.index  # typed as int in torch's stubs, but None for "cuda"
+    return index is None and dev.type not in HOST_TYPES and is_accelerator(dev)
 
 
 def synchronize(device: torch.device) -> None:
