@@ -151,7 +151,7 @@ def _verified(
         # Fails before writing anything where a target cannot be written (an inference tensor outside
         # inference mode): the full check then says which.
         with torch.no_grad():
-            span = first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), found.base)
+            span = _bytes(first, lay.nbytes, found.base)
             if first.is_cpu:
                 lo, hi = span.data_ptr(), span.data_ptr() + lay.nbytes
                 if any(lo < p + _extent(t) and p < hi for t, p in zip(sources, map(_data_ptr, sources))):
@@ -603,7 +603,13 @@ def _span(targets: list[torch.Tensor], lay: _layout.Layout, whole: bool = True) 
         for t, offset in zip(targets, offsets):
             if t.storage_offset() * t.element_size() - offset != base or t.untyped_storage()._cdata != key:
                 return None
-    return first.view(-1).view(torch.uint8).as_strided((lay.nbytes,), (1,), base)
+    return _bytes(first, lay.nbytes, base)
+
+
+def _bytes(t: torch.Tensor, nbytes: int, base: int) -> torch.Tensor:
+    """``nbytes`` bytes of ``t``'s storage from byte ``base``, as one uint8 tensor."""
+    # Through an empty view of unit stride: a one-element tensor may have any stride, which view(uint8) refuses.
+    return t.as_strided((0,), (1,)).view(torch.uint8).as_strided((nbytes,), (1,), base)
 
 
 @functools.lru_cache(maxsize=64)

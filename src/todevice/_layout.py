@@ -390,6 +390,8 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if n == 0:
             continue
         flat = buffer[at : at + n * sent.itemsize].view(sent)
+        if src.is_neg() or src.is_conj():  # a lazy negation: copy_ into another dtype drops it (torch 2.13, float16)
+            src = src.resolve_neg().resolve_conj()
         flat.as_strided(out.shape, out.stride()).copy_(src)  # laid out as the target is: one span of n
         out.as_strided((n,), (1,), out.storage_offset()).copy_(flat, non_blocking=True)
     return True

@@ -26,7 +26,8 @@ class Plan(NamedTuple):
     dev: torch.device
     non_blocking: bool
     dtype: torch.dtype | None
-    keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
+    keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already, or the walk may copy it anyway
+    placed: Callable[[torch.Tensor], bool]  # whether a tensor is in place already: .to() would give it back
     to: Callable[[torch.Tensor], torch.Tensor]  # the copy of one tensor, straight from where it is
     alone: Callable[[torch.Tensor], torch.Tensor]  # the copy of a tensor sent by itself, staged where it pays
     one: Callable[[torch.Tensor], torch.Tensor]  # move() of a bare tensor: as it is, or its copy, waited for
@@ -45,11 +46,11 @@ class _NeedsMemo(Exception): ...  # the optimistic walk met an object that only 
 class _Gather(Exception): ...  # a move to the CPU met a tensor off the host, which the walk that coalesces moves
 
 
-def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], keep: Callable[[torch.Tensor], bool]) -> Any:
-    """The optimistic walk's other leaves: unknown objects (with a warning where they hold tensors) and modules
-    stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over."""
+def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], placed: Callable[[torch.Tensor], bool]) -> Any:
+    """The optimistic walk's other leaves: unknown objects (with a warning where they hold tensors not in place) and
+    modules stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over."""
     if code == _tree.UNKNOWN:
-        _walk.left_behind(x, keep)
+        _walk.left_behind(x, placed)
     elif code != _tree.MODULE:
         raise _NeedsMemo
     return x
@@ -74,6 +75,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
         keep = lambda t: not t.is_cpu and t.device == dev  # noqa: E731
     else:
         keep = lambda t: t.device == dev and (t.dtype == dtype or not _options.casts(t))  # noqa: E731
+    placed = operator.attrgetter("is_meta") if keep is _layout.NEVER else keep
     mps = dev.type == "mps"
     # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
     plain = dtype is None and (not non_blocking or dev.type == "meta")
@@ -151,10 +153,10 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     # only records its copies; a batch that repeats one is walked again with the memo, reusing them (a repeat copied
     # twice, in host memory). On an accelerator, where that copy would hold device memory, the memo walk is the one.
     memo_walk = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _skipped_item)
-    others = functools.partial(_plain_objects_only, keep=keep)
+    others = functools.partial(_plain_objects_only, placed=placed)
     host_walk = _walk.make(keep, recorded, others, _tree.kind_of, skip=skip) if host else None
     walks = (host_walk, memo_walk)
-    return Plan(dev, non_blocking, dtype, keep, to, alone, one, *walks, not host, gathers, stage, to_host, skip)
+    return Plan(dev, non_blocking, dtype, keep, placed, to, alone, one, *walks, not host, gathers, stage, to_host, skip)
 
 
 # The one cache from move()'s arguments to their plan, a pure function of them: the device argument's type is in the
@@ -243,6 +245,26 @@ class State:
         outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
+    def know_taken(self) -> None:
+        """Make the tensors taken out of the batch known to the memo, with the views that hold their copies: before a
+        copy is made outside the walk (a mapping's own .to()), which may meet them. Once: the list goes."""
+        taken, self.taken = self.taken, None
+        for t, view in zip(taken or (), self.views or ()):
+            self.once(t, view)
+
+    def once(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The one copy of ``t`` in this move: the copy made of it before, or ``out`` (made outside the walk, by a
+        mapping's own .to()), then kept for a repeat."""
+        ptr = _layout.ptr(t)
+        if not ptr:
+            return self.memo.setdefault(id(t), (t, out))[1]  # type: ignore[no-any-return]
+        entries = self.by_ptr.setdefault(ptr, [])
+        for src, done in entries:
+            if src is t:
+                return done
+        entries.append((t, out))
+        return out
+
     def finish(self, out: Any = None) -> Any:
         """Wait for asynchronous copies into host memory, so the caller never reads unfinished data; ``out`` back."""
         if self.plan.to_host:
@@ -329,17 +351,7 @@ def _same_address(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tenso
 
 def _skipped_item(x: Any, s: State) -> Any:
     """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
-    batch = s.packed
-    if batch is None:
-        return x
-    filling = s.filling
-    if filling is None:  # one for every skipped item of the batch, so a tensor in two of them is one view
-        views = _layout.read(batch.buffer, batch.layout)  # where the batch's buffer is: nothing copied
-        for k in batch.requires_grad:
-            views[k] = views[k].requires_grad_()
-        filling = s.filling = State(plan_for(batch.buffer.device, False, None))  # loose tensors there stay
-        filling.views, filling.aliases = views, {}
-    return _memo_walk(x, filling)
+    return x if s.packed is None else s.packed._todevice_hold_(x, s)
 
 
 def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: its tensor
@@ -356,7 +368,7 @@ def _leaf(x: Any, code: int, s: State) -> Any:
         return _to_object(x, s)
     if code == _tree.OWN:
         return x._todevice_move_(s)
-    return _plain_objects_only(x, code, [], s.plan.keep)  # nn.Modules and unknown objects: as they are
+    return _plain_objects_only(x, code, [], s.plan.placed)  # nn.Modules and unknown objects: as they are
 
 
 def _to_object(obj: Any, s: State) -> Any:
@@ -377,21 +389,9 @@ def _to_object(obj: Any, s: State) -> Any:
         s.waits.update(held)
     s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out
     if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_item, s=s), functools.partial(_seen, s))
+        s.know_taken()  # a tensor of its own taken out of the batch: the view that holds its copy, not its .to()'s
+        _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_memo_walk, s=s), s.once)
     return out
-
-
-def _item(x: Any, s: State) -> Any:
-    """An item of a mapping its own .to() moved, walked with the memo; a coalesced batch's tensors known to it first."""
-    taken, s.taken = s.taken, None
-    for t, view in zip(taken or (), s.views or ()):
-        _seen(s, t, view)
-    return _memo_walk(x, s)
-
-
-def _seen(s: State, t: torch.Tensor, out: torch.Tensor) -> None:  # t's copy, made outside the walk: kept for a repeat
-    ptr = _layout.ptr(t)
-    s.by_ptr.setdefault(ptr, []).append((t, out)) if ptr else s.memo.setdefault(id(t), (t, out))
 
 
 def move(

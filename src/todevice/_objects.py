@@ -154,7 +154,7 @@ def _object_kind(tp: type) -> Kind:
             _get(out, "__dict__").update((k, children[m + i]) for k, i in mirrors)
         return out
 
-    return Kind(NODE, flatten, unflatten, _object_entry, _object_keys)
+    return Kind(NODE, flatten, unflatten, _object_entry, _list_keys if base is list else _object_keys)
 
 
 _get = object.__getattribute__  # an attribute as stored: no __getattr__ of the class runs
@@ -186,6 +186,12 @@ def _object_entry(aux: tuple[Any, ...], i: int) -> str:
 def _object_keys(aux: tuple[Any, ...]) -> list[Any]:
     _, names, in_state, keys, _ = aux
     return [*(_NO_KEY,) * (len(names) + len(in_state)), *(keys or ())]
+
+
+def _list_keys(aux: tuple[Any, ...]) -> list[Any]:
+    """A list subclass's: one key for every child, its items (none of them a mapping's item) included."""
+    src, names, in_state, _, _ = aux
+    return [_NO_KEY] * (len(names) + len(in_state) + list.__len__(src))
 
 
 def _container_base(tp: type) -> type | None:

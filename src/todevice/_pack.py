@@ -183,6 +183,7 @@ class PackedBatch:
         for k in self.requires_grad:
             views[k] = views[k].requires_grad_()
         skeleton = self.skeleton
+        s.know_taken()  # the outer batch's taken tensors, which the views below replace
         outer = s.views, s.aliases, s.packed, s.filling
         s.views, s.aliases, s.packed, s.filling = views, {}, self, None
         try:
@@ -193,6 +194,18 @@ class PackedBatch:
             s.views, s.aliases, s.packed, s.filling = outer
         s.memo[id(self)] = (self, out)
         return out
+
+    def _todevice_hold_(self, x: Any, s: _move.State) -> Any:
+        """An item of the skeleton under a key to skip, as this batch holds it: its slots filled with views of the
+        buffer where it is, nothing copied. One filling for every skipped item, so a tensor in two is one view."""
+        filling = s.filling
+        if filling is None:
+            views = _layout.read(self.buffer, self.layout)
+            for k in self.requires_grad:
+                views[k] = views[k].requires_grad_()
+            filling = s.filling = _move.State(_move.plan_for(self.buffer.device, False, None))  # loose tensors stay
+            filling.views, filling.aliases = views, {}
+        return _move._memo_walk(x, filling)
 
     def pin_memory(self, device: Any = None) -> PackedBatch:
         """This batch with its buffer in page-locked memory: one call, whatever the batch holds.

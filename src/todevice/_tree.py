@@ -27,6 +27,7 @@ import torch.utils._pytree as _pytree
 
 from todevice._objects import (  # re-exported: the kinds are _tree's words to every walker
     _IN_ATTRIBUTES as _IN_ATTRIBUTES,
+    _NO_KEY as _NO_KEY,
     ATOM as ATOM,
     MODULE as MODULE,
     NODE as NODE,
@@ -312,14 +313,36 @@ _refs: dict[int, weakref.ref[type]] = {}
 _generation = [0]  # bumped by every registration change
 
 
-def _registered_flatten(flatten: Flatten) -> Flatten:
+def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
+    """A registered flatten, its aux ``(aux, entries)``; of a mapping, ``(aux, entries, keys)``."""
+
     def run(obj: Any) -> tuple[list[Any], Any]:
         out = flatten(obj)
-        children, aux = out[0], out[1]
+        children, aux = list(out[0]), out[1]
         entries = out[2] if len(out) > 2 else None
-        return list(children), (aux, entries)
+        return children, (aux, entries)
 
-    return run
+    def run_mapping(obj: Any) -> tuple[list[Any], Any]:
+        children, (aux, entries) = run(obj)
+        keys = _keys_of_items(obj, children)
+        return children, (aux, keys if entries is None and all(k is not _NO_KEY for k in keys) else entries, keys)
+
+    return run_mapping if mapping else run
+
+
+def _keys_of_items(obj: Any, children: list[Any]) -> list[Any]:
+    """The key of each child of a registered mapping that is one of its items (by identity), ``_NO_KEY`` for any
+    other: so that ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput)."""
+    try:
+        items = list(obj.items())
+    except Exception:  # a mapping that cannot list its items: none of its children is known as one
+        return [_NO_KEY] * len(children)
+    if len(items) == len(children) and all(v is c for (_, v), c in zip(items, children)):
+        return [k for k, _ in items]  # the usual flatten: its values, in order
+    at: dict[int, list[Any]] = {}
+    for k, v in reversed(items):
+        at.setdefault(id(v), []).append(k)
+    return [at[id(c)].pop() if at.get(id(c)) else _NO_KEY for c in children]
 
 
 def _registered_unflatten(unflatten: Unflatten) -> Unflatten:
@@ -329,6 +352,17 @@ def _registered_unflatten(unflatten: Unflatten) -> Unflatten:
 def _registered_entry(aux: Any, i: int) -> str:
     entries = aux[1]
     return f"[{entries[i]!r}]" if entries is not None else f"[{i}]"
+
+
+def _registered_keys(aux: Any) -> Any:
+    return aux[2]
+
+
+def _registered(tp: type, flatten: Flatten, unflatten: Unflatten) -> Kind:
+    """The rule of a type registered here, with torch pytree or with optree; a mapping's children have keys."""
+    mapping = issubclass(tp, collections.abc.Mapping)
+    keys = _registered_keys if mapping else None
+    return Kind(NODE, _registered_flatten(flatten, mapping), unflatten, _registered_entry, keys)
 
 
 def _check_registration(cls: object, flatten: object, unflatten: object) -> None:
@@ -387,7 +421,7 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
                 f"Call todevice.unregister({cls.__qualname__}) first to replace it."
             )
             raise ValueError(msg)
-        _registry[cls] = Kind(NODE, _registered_flatten(flatten), _registered_unflatten(unflatten), _registered_entry)
+        _registry[cls] = _registered(cls, flatten, _registered_unflatten(unflatten))
         _generation[0] += 1
         _forget_all()
 
@@ -442,7 +476,11 @@ def _deferred_entry(d: Deferred, i: int) -> str:
     return _registered_entry(d.aux, i)
 
 
-_DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry)
+def _deferred_keys(d: Deferred) -> list[Any]:  # a registered mapping's keys, as its flatten found them when packed
+    return list(d.aux[2]) if len(d.aux) > 2 else [_NO_KEY] * len(d.children)
+
+
+_DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry, _deferred_keys)
 
 
 def _deferred_mapping_unflatten(d: Deferred, children: list[Any]) -> Any:
@@ -482,15 +520,10 @@ def _pytree_kind(tp: type) -> Kind | None:
     node = _pytree.SUPPORTED_NODES.get(tp)
     if node is not None:
         rebuild = node.unflatten_fn  # torch's order: (children, context)
-        return Kind(NODE, _registered_flatten(node.flatten_fn), lambda aux, ch: rebuild(ch, aux[0]), _registered_entry)
+        return _registered(tp, node.flatten_fn, lambda aux, ch: rebuild(ch, aux[0]))
     entry: Any = optree.register_pytree_node.get(tp)  # optree's own convention is todevice.register()'s
     if entry is not None:
-        return Kind(
-            NODE,
-            _registered_flatten(entry.flatten_func),
-            _registered_unflatten(entry.unflatten_func),
-            _registered_entry,
-        )
+        return _registered(tp, entry.flatten_func, _registered_unflatten(entry.unflatten_func))
     return None
 
 
@@ -573,5 +606,5 @@ def kind_for_packing(tp: type) -> Kind:
         return _MAPPING_PACKED
     if kind.entry is _registered_entry:  # the rule itself says it is registered: no second lookup to race
         unflatten = kind.unflatten
-        return Kind(NODE, kind.flatten, lambda aux, children: Deferred(tp, aux, children, unflatten), kind.entry)
+        return kind._replace(unflatten=lambda aux, children: Deferred(tp, aux, children, unflatten))
     return kind

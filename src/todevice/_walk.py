@@ -400,7 +400,8 @@ def copy_for_to(obj: Any) -> Any:
     ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is then the class's
     word), the plain dicts and lists its attributes hold, at any depth, are copied too: a ``.to()``
     that writes ``self.data[k] = ...`` writes into the copy's dict. Any other object the attributes
-    hold (tensors included) is shared. One that cannot be copied is returned as it is.
+    hold (tensors included) is shared. One that cannot be copied (its ``copy.copy`` raises, or recurses without end
+    near the top of the stack) is returned as it is.
     """
     tp = type(obj)
     if tp in _PURE_TO:
@@ -408,19 +409,39 @@ def copy_for_to(obj: Any) -> Any:
     try:
         target = copy.copy(obj)
     except RecursionError:
-        raise  # deep nesting: the walk falls back to one with a stack
+        if _depth() > sys.getrecursionlimit() // 2:
+            raise  # deep nesting: the walk falls back to one with a stack, which calls this again near its top
+        return obj  # a copy whose __getattr__ reads an attribute the copy lacks: not copyable, as below
     except Exception:
         return obj  # not copyable: its own .to() is all there is
     if getattr(tp, "__copy__", None) is not None:
         return target  # its class's own copy (a BatchEncoding's, a UserDict's): its word
     state = _state(target)
-    if (
-        type(state) is dict
-        and state is not _state(obj)  # not a copy that adopted the input's own (__setstate__)
-        and any(type(v) in _PLAIN_CONTAINERS for v in state.values())
-    ):
+    if type(state) is not dict:
+        return target
+    if state is _state(obj):  # a __setstate__ that adopted the input's own dict: the copy gets one of its own
+        state = state.copy()
+        try:
+            object.__setattr__(target, "__dict__", state)
+        except Exception:  # it cannot have one: a .to() that writes attributes would write the input's
+            msg = (
+                f"Cannot move a {tp.__qualname__} by its own .to() without changing it: a copy of it shares "
+                f"its __dict__, so a .to() that works in place would move the input too. Give {tp.__qualname__} "
+                f"a __copy__, or register it with todevice.register()."
+            )
+            raise LeafError(obj, TypeError(msg)) from None
+    if any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
         _copy_plain_containers(state)
     return target
+
+
+def _depth() -> int:
+    """How many frames the caller's stack holds."""
+    frame: Any = sys._getframe(1)
+    n = 0
+    while frame is not None:
+        frame, n = frame.f_back, n + 1
+    return n
 
 
 def _state(obj: Any) -> Any:
@@ -452,42 +473,50 @@ def _copy_plain_containers(state: dict[str, Any]) -> None:
 
 
 def rest_of_mapping(
-    obj: Any, out: Any, skip: frozenset[Any], move_item: Callable[[Any], Any], seen: Callable[[Any, Any], Any]
+    obj: Any,
+    out: Any,
+    skip: frozenset[Any],
+    move_item: Callable[[Any], Any],
+    once: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> Any:
     """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be.
 
     Such a ``.to()`` moves only what has a ``.to()`` (a BatchEncoding's): an item that is a container
-    (a list of tensors) is moved by ``move_item``, after ``seen(source, result)`` has been told of each
-    tensor its ``.to()`` moved, so that a tensor held twice stays one; an item under a key in ``skip`` is
-    put back as ``obj`` holds it. Written through ``out[key] = ...``, into the copy the ``.to()`` was
-    called on or what it returned; an item that ``out`` refuses stays as its ``.to()`` left it, and an
-    ``out`` that is not a mutable mapping is left as it is. Returns ``out``.
+    (a list of tensors) is moved by ``move_item``. Each tensor its ``.to()`` moved is given to
+    ``once(source, copy)``, which answers with the move's one copy of that source: the copy made of it
+    elsewhere in the batch before, or this one, kept for a later meeting; so a tensor held twice stays
+    one. An item under a key in ``skip`` is put back as ``obj`` holds it. Written through
+    ``out[key] = ...``, into the copy the ``.to()`` was called on or what it returned; an item that
+    ``out`` refuses stays as its ``.to()`` left it, and an ``out`` that is not a mutable mapping is left
+    as it is. Returns ``out``.
     """
     items: Any = out
     if collections.UserDict in type(out).__mro__ and type(out.data) is dict:
         items = out.data  # a BatchEncoding's items, read in C rather than through its methods
     elif not isinstance(out, collections.abc.MutableMapping):
         return out
-    if not skip and set(map(type, items.values())) <= _JUST_TENSORS:
-        return out  # the usual case: every item a tensor, which its .to() moved
-    pairs = [(key, value, obj.get(key, _ABSENT)) for key, value in items.items()]
-    for _, value, before in pairs:
-        if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor):
-            seen(before, value)
+    before_of: Any = obj.data if collections.UserDict in type(obj).__mro__ and type(obj.data) is dict else obj
+    pairs = [(key, value, before_of.get(key, _ABSENT)) for key, value in items.items()]
     changes = []
     for key, value, before in pairs:
-        if key in skip:
-            if before is not _ABSENT and value is not before:
-                changes.append((key, before))
-        elif not isinstance(value, torch.Tensor):
-            try:
-                new = move_item(value)
-            except LeafError as failure:
-                inner = failure.within(obj, value)
-                inner.inner = f"[{key!r}]" + inner.inner
-                raise inner from failure.err
-            if new is not value:
-                changes.append((key, new))
+        if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and key not in skip:
+            kept = once(before, value)
+            if kept is not value:
+                changes.append((key, kept))
+    if skip or not set(map(type, items.values())) <= _JUST_TENSORS:  # else every item a tensor, which it moved
+        for key, value, before in pairs:
+            if key in skip:
+                if before is not _ABSENT and value is not before:
+                    changes.append((key, before))
+            elif not isinstance(value, torch.Tensor):
+                try:
+                    new = move_item(value)
+                except LeafError as failure:
+                    inner = failure.within(obj, value)
+                    inner.inner = f"[{key!r}]" + inner.inner
+                    raise inner from failure.err
+                if new is not value:
+                    changes.append((key, new))
     for key, value in changes:
         try:
             out[key] = value
@@ -570,14 +599,14 @@ def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
     return found or set(_stream.devices_in_use())
 
 
-def left_behind(obj: Any, keep: Callable[[torch.Tensor], bool]) -> None:
+def left_behind(obj: Any, placed: Callable[[torch.Tensor], bool]) -> None:
     """Warn where an object move() passes through as it is holds, in an attribute of its own, a tensor that the
-    move would have copied (``keep`` says which it would not)."""
+    move would have copied (``placed`` says which it would not)."""
     state = _state(obj)
     if type(state) is not dict:
         return
     for name, value in state.items():
-        if isinstance(value, torch.Tensor) and not keep(value):
+        if isinstance(value, torch.Tensor) and not placed(value):
             tp = type(obj)
             msg = (
                 f"move() passed a {tp.__module__}.{tp.__qualname__} through as it is, so the tensor in its .{name} "
