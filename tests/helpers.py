@@ -9,7 +9,9 @@ import enum
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils import _pytree
 
+import todevice
 from todevice.testing import FrozenRecord, FrozenSlotsRecord, SlotsRecord
 
 
@@ -70,6 +72,23 @@ class TaggedList(list):  # type: ignore[type-arg]
         self.tag = tag
 
 
+class Output(collections.OrderedDict):  # type: ignore[type-arg]
+    """A mapping registered with torch pytree, as transformers registers its ModelOutput."""
+
+
+_pytree.register_pytree_node(
+    Output, lambda o: (list(o.values()), list(o.keys())), lambda values, keys: Output(zip(keys, values))
+)
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """Like a tokenizer's BatchEncoding: a UserDict whose own .to() moves the items that are tensors, in place."""
+
+    def to(self, device: Any, non_blocking: bool = False) -> Encoding:
+        self.data = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
+        return self
+
+
 class Color(enum.Enum):
     RED = 1
     BLUE = 2
@@ -87,16 +106,20 @@ def make_late(a: Any, late: Any) -> LateRecord:
 # ---------------------------------------------------------------- the reference
 
 
-def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> Any:
-    """What move() must give, written as plainly as possible (no speed, no aliasing tricks)."""
-    memo: dict[int, Any] = {}
+def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None, skip: frozenset[Any] = frozenset()) -> Any:
+    """What move() must give, written as plainly as possible (no speed, no aliasing tricks). A mapping's items under
+    the keys in ``skip`` stay as they are; a packed batch is its unpacked structure, moved."""
+    memo: dict[int, tuple[Any, Any]] = {}  # each source kept alive, so that its id stays its own
 
     def go(x: Any) -> Any:
         if id(x) in memo:
-            return memo[id(x)]
+            return memo[id(x)][1]
         out = one(x)
-        memo[id(x)] = out
+        memo[id(x)] = (x, out)
         return out
+
+    def items(x: Any) -> dict[Any, Any]:
+        return {k: v if k in skip else go(v) for k, v in x.items()}
 
     def one(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
@@ -104,11 +127,15 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> A
             return x.to(device, cast)
         tp = type(x)
         if tp is dict:
-            return {k: go(v) for k, v in x.items()}
-        if tp is collections.OrderedDict:
-            return collections.OrderedDict((k, go(v)) for k, v in x.items())
+            return items(x)
+        if tp is collections.OrderedDict or tp is Output:
+            return tp(items(x))
         if tp is collections.defaultdict:
-            return collections.defaultdict(x.default_factory, {k: go(v) for k, v in x.items()})
+            return collections.defaultdict(x.default_factory, items(x))
+        if tp is Encoding:  # its .to() works in place: the reference never calls it
+            return Encoding(items(x))
+        if tp is todevice.PackedBatch:
+            return go(x.unpack())
         if tp is list:
             return [go(v) for v in x]
         if tp is tuple:
@@ -132,17 +159,38 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None) -> A
         if dataclasses.is_dataclass(x):
             return tp(**{f.name: go(getattr(x, f.name)) for f in dataclasses.fields(x)})
         if tp is TaggedDict:
-            return TaggedDict(x.tag, {k: go(v) for k, v in x.items()})
+            return TaggedDict(x.tag, items(x))
         if tp is TaggedList:
-            return TaggedList(x.tag, [go(v) for v in x])
+            return TaggedList(go(x.tag), [go(v) for v in x])
         if isinstance(x, collections.abc.Mapping):  # UserDict and any other mapping: rebuilt from a dict
-            return tp({k: go(v) for k, v in x.items()})
+            return tp(items(x))
         return x
 
     return go(obj)
 
 
 # ---------------------------------------------------------------- comparison
+
+
+def sharing(tree: Any) -> list[int]:
+    """Which tensors of ``tree`` are the same object: each tensor's number, numbered by first meeting, in a walk of the
+    containers that ``reference_move`` knows (a set's order is its own: none is walked)."""
+    numbers: dict[int, int] = {}
+    out: list[int] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(numbers.setdefault(id(x), len(numbers)))
+        elif isinstance(x, (dict, collections.UserDict)):
+            stack.extend(reversed(list(x.values())))
+        elif isinstance(x, (list, tuple, collections.deque)):
+            stack.extend(reversed(list(x)))
+            if isinstance(x, TaggedList):
+                stack.append(x.tag)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name, None) for f in reversed(dataclasses.fields(x)))
+    return out
 
 
 def tensor_signature(t: torch.Tensor, grad: bool = True) -> tuple[Any, ...]:
@@ -170,6 +218,9 @@ def assert_same_tree(
         if hasattr(expected, "__dict__"):
             assert actual.__dict__.keys() == expected.__dict__.keys()
         return
+    if isinstance(expected, collections.UserDict):
+        assert_same_tree(actual.data, expected.data, f"{path}.data", values=values, grad=grad, same=same)
+        return
     if isinstance(expected, (list, tuple, collections.deque)):
         assert len(actual) == len(expected), f"{path}: length"
         if isinstance(expected, collections.deque):
@@ -177,7 +228,9 @@ def assert_same_tree(
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_same_tree(a, e, f"{path}[{i}]", values=values, grad=grad, same=same)
         if hasattr(expected, "__dict__") and not isinstance(expected, tuple):
-            assert actual.__dict__ == expected.__dict__
+            assert actual.__dict__.keys() == expected.__dict__.keys(), f"{path}: attributes"
+            for k, e in expected.__dict__.items():
+                assert_same_tree(actual.__dict__[k], e, f"{path}.{k}", values=values, grad=grad, same=same)
         return
     if isinstance(expected, (set, frozenset)):
         # Elements are moved one for one: compare the multisets of what they are.
@@ -218,8 +271,11 @@ def snapshot(obj: Any) -> Any:
         seen.add(id(x))
         if isinstance(x, dict):
             return ("dict", id(x), type(x), [(k, go(v)) for k, v in x.items()], dict(getattr(x, "__dict__", {})))
+        if isinstance(x, collections.UserDict):
+            return ("userdict", id(x), type(x), id(x.data), [(k, go(v)) for k, v in x.data.items()])
         if isinstance(x, (list, tuple, collections.deque)):
-            return ("seq", id(x), type(x), [go(v) for v in x])
+            attributes = [(k, go(v)) for k, v in vars(x).items()] if hasattr(x, "__dict__") else []
+            return ("seq", id(x), type(x), [go(v) for v in x], attributes)
         if isinstance(x, (set, frozenset)):
             return ("set", id(x), type(x), sorted(id(v) for v in x))
         if dataclasses.is_dataclass(x) and not isinstance(x, type):

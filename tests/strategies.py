@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+import todevice
 from tests import helpers
 from todevice import testing
 
@@ -73,3 +74,29 @@ def trees_with_aliases(draw: st.DrawFn) -> Any:
     alias_twice = [base, base]
     tied = [base.detach(), base.detach().view(base.shape)]  # distinct tensors, the very same memory
     return {"tree": draw(trees), "aliases": alias_twice, "tied": tied}
+
+
+@st.composite
+def shared_trees(draw: st.DrawFn) -> Any:
+    """A batch whose tensors come from a small pool, so that some are met more than once, inside the kinds that hold
+    them apart from the plain walk: list subclasses with an attribute, a mapping registered with torch pytree, a
+    mapping with its own in-place .to() (a BatchEncoding), and packed batches (none inside another), whose loose
+    tensors the rest of the batch may hold too."""
+    pool = draw(st.lists(tensors(requires_grad=False), min_size=1, max_size=4))
+    leaf = st.one_of(st.sampled_from(pool), st.sampled_from(pool), st.integers(0, 3))
+
+    def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        lists = st.lists(children, max_size=3)
+        dicts = st.dictionaries(st.sampled_from("abc"), children, max_size=3)
+        return st.one_of(
+            lists,
+            lists.map(tuple),
+            dicts,
+            st.tuples(children, lists).map(lambda p: helpers.TaggedList(*p)),
+            dicts.map(helpers.Output),
+            dicts.map(helpers.Encoding),
+        )
+
+    unpacked = st.recursive(leaf, containers, max_leaves=6)
+    packed = st.tuples(unpacked, unpacked).map(lambda p: {"a": p[0], "packed": todevice.pack(p[1], max_bytes=16)})
+    return draw(st.recursive(st.one_of(leaf, packed), containers, max_leaves=8))

@@ -572,3 +572,28 @@ def test_dtype_reaches_a_packed_sequence_under_compile_as_in_eager_code() -> Non
     want = todevice.move(batch, "cpu", dtype=torch.float16)
     assert got["f"].data.dtype == want["f"].data.dtype == torch.float16
     assert got["i"].data.dtype == want["i"].data.dtype == torch.int64
+
+
+# ---------------------------------------------------------------- at the edges, as eager
+
+
+class Items(list):  # type: ignore[type-arg]
+    pass
+
+
+def test_the_edges_give_the_eager_result() -> None:
+    """A list subclass and a pytree-registered mapping with keys to skip, and a tensor held by a mapping with its own
+    .to() and by the rest of the batch: as eager move() gives them."""
+    t = torch.ones(3)
+    items = Items([torch.ones(1), {"lengths": torch.ones(2)}])
+    batch = {
+        "items": items,
+        "out": helpers.Output(x=torch.ones(2), lengths=torch.tensor([2])),
+        "labels": t,
+        "enc": helpers.Encoding({"input_ids": t}),
+    }
+    out = compiled(lambda b: todevice.move(b, "meta", skip_keys="lengths"))(batch)
+    check(out, todevice.move(batch, "meta", skip_keys="lengths"))
+    assert len(out["items"]) == 2 and out["items"][1]["lengths"] is items[1]["lengths"]
+    assert out["out"]["lengths"].device == torch.device("cpu") and out["out"]["x"].device == torch.device("meta")
+    assert out["labels"] is out["enc"]["input_ids"]

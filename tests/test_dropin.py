@@ -9,10 +9,12 @@ import functools
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import optree
 import pytest
 import torch
 
@@ -741,3 +743,139 @@ def test_guard_reads_a_generator_of_ignored_inputs_once() -> None:
         net(torch.ones(2, 2, device="meta"), lengths=torch.tensor([1, 2]))  # the keyword form is ignored
     with todevice.guard(net, ignore="lengths"):
         net(torch.ones(2, 2, device="meta"), lengths=torch.tensor([1, 2]))
+
+
+# ---------------------------------------------------------------- at the edges: wrong results and crashes
+
+
+class Items(list):  # type: ignore[type-arg]
+    """A list subclass, as a DataLoader collate may return one."""
+
+
+@pytest.mark.parametrize("how", ["walk", "coalesced", "strict", "packed", "deep", "prefetch"])
+def test_a_list_subclass_keeps_its_items_when_keys_are_skipped(how: str) -> None:
+    batch = Items([ones(), {"k": ones(3), "x": ones(1)}])
+    batch.tag = ones(4)  # type: ignore[attr-defined]
+    if how == "prefetch":
+        (out,) = list(todevice.prefetch([batch], "meta", skip_keys="k"))
+    elif how == "deep":
+        deep: Any = batch
+        for _ in range(3000):
+            deep = [deep]
+        out = todevice.move(deep, "meta", skip_keys="k")
+        for _ in range(3000):
+            out = out[0]
+    else:
+        obj: Any = todevice.pack(batch) if how == "packed" else batch
+        out = todevice.move(obj, "meta", skip_keys="k", coalesce=how == "coalesced", strict=how == "strict")
+    assert type(out) is Items and len(out) == 2 and out[0].device == META and out.tag.device == META
+    assert out[1]["k"].device == CPU and out[1]["x"].device == META
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_a_packed_batch_s_mapping_with_to_shares_a_tensor_with_the_outer_batch(coalesce: bool) -> None:
+    shared = torch.tensor([5.0, 6.0, 7.0, 8.0])
+    enc = helpers.Encoding({"ids": torch.arange(2), "lst": [shared]})
+    batch = {"outer": shared, "packed": todevice.pack({"p0": torch.full((2,), 9.0), "enc": enc})}
+    for device in ("meta", "cpu"):
+        out = todevice.move(batch, device, coalesce=coalesce)
+        assert out["packed"]["enc"]["lst"][0] is out["outer"] and out["outer"].shape == (4,)
+    assert todevice.move(batch, "cpu", coalesce=coalesce)["packed"]["enc"]["lst"][0] is shared
+
+
+def test_skip_keys_reach_inside_mappings_registered_with_torch_pytree_and_optree() -> None:
+    class Keyed(collections.abc.Mapping):  # type: ignore[type-arg]
+        def __init__(self, d: dict[str, Any]) -> None:
+            self.d = d
+
+        def __getitem__(self, k: str) -> Any:
+            return self.d[k]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+    everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
+    optree.register_pytree_node(
+        Keyed, lambda m: (list(m.d.values()), list(m.d)), lambda k, v: Keyed(dict(zip(k, v))), namespace=everywhere
+    )
+    try:
+        lengths = torch.tensor([2])
+        for mapping in (helpers.Output(x=ones(), lengths=lengths), Keyed({"x": ones(), "lengths": lengths})):
+            for how in ("walk", "coalesced", "packed"):
+                obj: Any = todevice.pack({"m": mapping}) if how == "packed" else {"m": mapping}
+                out = todevice.move(obj, "meta", skip_keys="lengths", coalesce=how == "coalesced")["m"]
+                assert type(out) is type(mapping) and out["x"].device == META and out["lengths"].device == CPU
+                if how != "packed":
+                    assert out["lengths"] is lengths
+            with pytest.raises(TypeError, match=r"\['m'\]\['bad'\]: object"):
+                todevice.move({"m": type(mapping)(dict(mapping, bad=object()))}, "meta", strict=True)
+    finally:
+        optree.unregister_pytree_node(Keyed, namespace=everywhere)
+
+
+@pytest.mark.parametrize("coalesce", [None, True, False])
+def test_a_tensor_in_a_mapping_with_to_and_elsewhere_in_the_batch_is_moved_once(coalesce: bool | None) -> None:
+    t = ones(3)
+    first, last = (
+        {"labels": t, "enc": helpers.Encoding({"input_ids": t})},
+        {"enc": helpers.Encoding({"ids": t}), "y": t},
+    )
+    for batch in (first, last):
+        for device in ("meta", "cpu"):
+            out = todevice.move(batch, device, coalesce=coalesce)
+            inside, outside = [v for v in out.values() if isinstance(v, torch.Tensor)], list(out["enc"].values())
+            assert inside[0] is outside[0] and inside[0].device.type == device
+    many = {"x": [ones() for _ in range(20)], "enc": helpers.Encoding({"ids": t}), "y": t}  # coalesced by default
+    out = todevice.move(many, "meta", coalesce=coalesce)
+    assert out["enc"]["ids"] is out["y"]
+
+
+def test_an_object_whose_copy_adopts_the_input_s_dict_is_not_changed() -> None:
+    class Adopts:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            self.__dict__ = state  # what copy.copy hands over is the input's own dict
+
+        def to(self, device: Any, non_blocking: bool = False) -> Adopts:
+            self.t = self.t.to(device)
+            return self
+
+    obj = Adopts(ones())
+    out = todevice.move({"o": obj}, "meta")["o"]
+    assert out.t.device == META and obj.t.device == CPU
+
+
+def test_an_object_whose_getattr_recurses_while_copied_is_moved_by_its_own_to() -> None:
+    class Forwards:
+        def __init__(self, inner: torch.Tensor) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:  # a copy without _inner asks for it again, without end
+            return getattr(self._inner, name)
+
+        def to(self, device: Any, non_blocking: bool = False) -> Forwards:
+            return Forwards(self._inner.to(device))
+
+    obj = Forwards(ones())
+    out = todevice.move({"x": [obj]}, "meta")["x"][0]
+    assert type(out) is Forwards and out._inner.device == META and obj._inner.device == CPU
+
+
+def test_no_left_behind_warning_for_a_tensor_already_on_the_target() -> None:
+    class Holds:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        todevice.move({"h": Holds(torch.ones(1, device="meta")), "x": ones()}, "meta")
+        todevice.move({"h": Holds(ones()), "x": ones()}, "cpu")
+    with pytest.warns(TensorsLeftBehindWarning, match=r"Holds through as it is, so the tensor in its \.t"):
+        todevice.move({"h": Holds(ones()), "x": ones()}, "meta")
+    with pytest.warns(TensorsLeftBehindWarning):  # a cast would have copied it
+        todevice.move({"h": Holds(torch.ones(1, device="meta")), "x": ones()}, "meta", dtype=torch.float16)

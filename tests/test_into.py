@@ -523,3 +523,18 @@ def test_interleaved_targets_over_one_buffer_are_not_refused() -> None:
     assert m.tolist() == [[1.0, 2.0]] * 3
     with pytest.raises(ValueError, match="shares memory"):  # a column and a row that cross do share an element
         todevice.move({"u": torch.ones(3), "v": torch.ones(2)}, out={"u": m[:, 0], "v": m[0]})
+
+
+def test_a_one_element_target_of_any_stride_is_written() -> None:
+    """A one-element view is contiguous whatever its stride: its bytes are reached without a view that needs one, and
+    the large tensor copied before them is not left written alone."""
+    grid, big = torch.zeros(4, 4), torch.zeros(20000)
+    for step in range(2):  # checked, then verified
+        value = 7.0 + step
+        out = todevice.move({"a": torch.tensor([value]), "big": torch.ones(20000)}, out={"a": grid[:1, 0], "big": big})
+        assert out["a"].item() == value and grid[0, 0] == value and grid.sum() == value and big.sum() == 20000
+    todevice.move({"a": torch.tensor([3.0])}, out={"a": grid[:1, 0]})
+    assert grid[0, 0] == 3.0
+    row = torch.zeros(8)
+    todevice.move({"a": torch.tensor([1.0]), "b": torch.tensor([2.0])}, out={"a": row[0:1], "b": row[4:5]})
+    assert row.tolist() == [1.0, 0, 0, 0, 2.0, 0, 0, 0]

@@ -74,6 +74,25 @@ def test_aliases_and_shared_memory_survive(tree: Any) -> None:
         assert t1.data_ptr() == t2.data_ptr()
 
 
+@given(
+    strategies.shared_trees(),
+    st.sampled_from([None, "a"]),
+    st.sampled_from([None, True, False]),
+    st.sampled_from(["meta", "cpu"]),
+)
+def test_every_kind_skips_its_keys_and_keeps_a_repeated_tensor_one(
+    tree: Any, skip: str | None, coalesce: bool | None, device: str
+) -> None:
+    """List subclasses with attributes, pytree-registered mappings, mappings with their own .to() and packed batches,
+    sharing tensors with the rest of the batch: the reference's items, the same tensors shared, the input unchanged."""
+    before = helpers.snapshot(tree)
+    out = todevice.move(tree, device, skip_keys=skip, coalesce=coalesce)
+    expected = helpers.reference_move(tree, device, skip=frozenset() if skip is None else frozenset({skip}))
+    helpers.assert_same_tree(out, expected, values=device == "cpu")
+    assert helpers.sharing(out) == helpers.sharing(expected)
+    helpers.assert_snapshot_equal(before, helpers.snapshot(tree))
+
+
 @given(strategies.trees)
 def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
     """The stack-based walk used past Python's recursion limit agrees with the fast walk."""

@@ -606,7 +606,7 @@ def _span(targets: list[torch.Tensor], lay: _layout.Layout, whole: bool = True) 
     return _bytes(first, lay.nbytes, base)
 
 
-def _bytes(t: torch.Tensor, nbytes: int, base: int) -> torch.Tensor:
+def _bytes(t: torch.Tensor, nbytes: int, base: Any) -> torch.Tensor:
     """``nbytes`` bytes of ``t``'s storage from byte ``base``, as one uint8 tensor."""
     # Through an empty view of unit stride: a one-element tensor may have any stride, which view(uint8) refuses.
     return t.as_strided((0,), (1,)).view(torch.uint8).as_strided((nbytes,), (1,), base)

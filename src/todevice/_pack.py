@@ -200,11 +200,13 @@ class PackedBatch:
         buffer where it is, nothing copied. One filling for every skipped item, so a tensor in two is one view."""
         filling = s.filling
         if filling is None:
-            views = _layout.read(self.buffer, self.layout)
-            for k in self.requires_grad:
-                views[k] = views[k].requires_grad_()
             filling = s.filling = _move.State(_move.plan_for(self.buffer.device, False, None))  # loose tensors stay
-            filling.views, filling.aliases = views, {}
+            if s.plan.dev == self.buffer.device and s.plan.dtype is None:  # the move's views are the buffer's own
+                filling.views, filling.aliases = s.views, s.aliases
+            else:
+                filling.views, filling.aliases = _layout.read(self.buffer, self.layout), {}
+                for k in self.requires_grad:
+                    filling.views[k] = filling.views[k].requires_grad_()
         return _move._memo_walk(x, filling)
 
     def pin_memory(self, device: Any = None) -> PackedBatch:

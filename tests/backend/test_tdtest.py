@@ -491,6 +491,45 @@ def test_random_trees_round_trip_through_pinned_staging(tree: Any) -> None:
     helpers.assert_same_tree(back, helpers.reference_move(tree, "cpu"), values=True, grad=False)
 
 
+def _lazy(shape: tuple[int, ...], how: str, seed: int) -> torch.Tensor:
+    """A tensor with the negative bit (a real view), the conjugate bit (a complex one), or neither."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.complex(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    return z.conj().imag if how == "neg" else z.conj() if how == "conj" else z.real.clone()
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([(), (1,), (3,), (2, 3), (400,)]), st.sampled_from(["neg", "conj", "plain"])),
+        min_size=1,
+        max_size=20,
+    ),
+    st.sampled_from([None, torch.float16, torch.float64, torch.complex128]),
+    st.sampled_from([None, True, False]),
+)
+def test_negative_and_conjugate_views_cross_staging_as_to_gives_them(
+    specs: list[tuple[tuple[int, ...], str]], dtype: torch.dtype | None, coalesce: bool | None
+) -> None:
+    """Every staged write, cast or not (one pinned block for large pageable tensors, the coalesced buffer, out='s
+    staging), gives the values .to() gives: a lazy negation or conjugation is never dropped."""
+    if dtype is not None and not dtype.is_complex:
+        specs = [(shape, "neg" if how == "conj" else how) for shape, how in specs]  # a real cast of a complex warns
+    batch = [_lazy(shape, how, seed) for seed, (shape, how) in enumerate(specs)]
+    expected = [t.to(dtype) if dtype is not None else t for t in batch]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(_move._stream, "pinned", lambda numel, dtype, device: torch.empty(numel, dtype=dtype))
+        monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES", 1024)
+        monkeypatch.setattr(_layout, "PAGEABLE_DIRECT_MAX_BYTES_ONE", 1024)
+        _, back = there_and_back(batch, dtype=dtype, coalesce=coalesce)
+        with torch.inference_mode():
+            static = todevice.move([torch.zeros_like(t) for t in expected], "tdtest")
+            todevice.move(batch, out=static, dtype=dtype, coalesce=coalesce)
+            into = todevice.move(static, "cpu", non_blocking=False)
+    for got in (back, into):
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and torch.equal(g, e.resolve_neg().resolve_conj())
+
+
 # ---------------------------------------------------------------- moves to the host
 
 
