@@ -784,22 +784,12 @@ def test_a_packed_batch_s_mapping_with_to_shares_a_tensor_with_the_outer_batch(c
 
 
 def test_skip_keys_reach_inside_mappings_registered_with_torch_pytree_and_optree() -> None:
-    class Keyed(collections.abc.Mapping):  # type: ignore[type-arg]
-        def __init__(self, d: dict[str, Any]) -> None:
-            self.d = d
-
-        def __getitem__(self, k: str) -> Any:
-            return self.d[k]
-
-        def __iter__(self) -> Iterator[str]:
-            return iter(self.d)
-
-        def __len__(self) -> int:
-            return len(self.d)
+    class Keyed(ReadOnly):
+        pass
 
     everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
     optree.register_pytree_node(
-        Keyed, lambda m: (list(m.d.values()), list(m.d)), lambda k, v: Keyed(dict(zip(k, v))), namespace=everywhere
+        Keyed, lambda m: (list(m.values()), list(m)), lambda k, v: Keyed(dict(zip(k, v))), namespace=everywhere
     )
     try:
         lengths = torch.tensor([2])
@@ -879,3 +869,56 @@ def test_no_left_behind_warning_for_a_tensor_already_on_the_target() -> None:
         todevice.move({"h": Holds(ones()), "x": ones()}, "meta")
     with pytest.warns(TensorsLeftBehindWarning):  # a cast would have copied it
         todevice.move({"h": Holds(torch.ones(1, device="meta")), "x": ones()}, "meta", dtype=torch.float16)
+
+
+def test_a_tensor_a_mapping_s_own_to_leaves_or_casts_otherwise_stands_only_for_itself() -> None:
+    class KeepsLengths(collections.UserDict):  # type: ignore[type-arg]
+        def to(self, device: Any, dtype: Any = None, non_blocking: bool = False) -> KeepsLengths:
+            self.data = {k: v if k == "lengths" else v.to(device, dtype) for k, v in self.data.items()}
+            return self
+
+    lengths, ids = torch.tensor([3, 2]), torch.tensor([1, 2])
+    for batch in (
+        {"enc": KeepsLengths(lengths=lengths), "lengths": lengths},
+        {"lengths": lengths, "enc": KeepsLengths(lengths=lengths)},
+    ):
+        out = todevice.move(batch, "meta")
+        assert out["lengths"].device == META and out["enc"]["lengths"] is lengths  # its .to()'s choice, and the move's
+    out = todevice.move({"m": KeepsLengths(x=ones(), ids=ids), "ids": ids}, "meta", dtype=torch.float16)
+    assert out["ids"].dtype == torch.int64 and out["m"]["ids"].dtype == torch.float16  # integers keep their dtype
+
+
+def test_a_registered_mapping_s_entries_say_which_child_is_under_which_key() -> None:
+    class Sorted(ReadOnly):
+        pass
+
+    todevice.register(
+        Sorted, lambda m: ([m[k] for k in sorted(m)], sorted(m), sorted(m)), lambda ks, ch: Sorted(dict(zip(ks, ch)))
+    )
+    try:
+        t = ones()
+        out = todevice.move(Sorted({"b": t, "a": t}), "meta", skip_keys="a")  # one object under two keys
+        assert out["a"] is t and out["b"].device == META
+    finally:
+        todevice.unregister(Sorted)
+
+
+def test_an_object_whose_copy_is_itself_is_moved_by_its_own_to_unchanged() -> None:
+    class Single:
+        made: Single | None = None
+
+        def __new__(cls) -> Single:  # one instance: copy.copy hands it back, its dict set again
+            if cls.made is None:
+                cls.made = super().__new__(cls)
+                cls.made.t, cls.made.names = ones(), ["a"]
+            return cls.made
+
+        def to(self, device: Any, non_blocking: bool = False) -> Single:
+            moved = object.__new__(Single)
+            moved.t, moved.names = self.t.to(device), self.names
+            return moved
+
+    obj = Single()
+    state, names = obj.__dict__, obj.names
+    out = todevice.move([obj], "meta")[0]
+    assert out.t.device == META and obj.__dict__ is state and obj.names is names and obj.t.device == CPU

@@ -227,7 +227,7 @@ class State:
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     ordered = False  # on a side stream: whether it waits for the user's stream already
     planned = False  # whether the batch's plan (_layout.sending) decided what is staged: then no tensor is on its own
-    taken: list[torch.Tensor] | None = None  # the tensors behind ``views``, for a walk that meets them again (_item)
+    taken: list[torch.Tensor] | None = None  # the tensors behind ``views``, until know_taken() needs them
 
     def __init__(self, p: Plan, rec: list[torch.Tensor] | None = None) -> None:  # rec: an optimistic walk's copies
         self.plan = p
@@ -390,7 +390,7 @@ def _to_object(obj: Any, s: State) -> Any:
     s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out
     if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
         s.know_taken()  # a tensor of its own taken out of the batch: the view that holds its copy, not its .to()'s
-        _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_memo_walk, s=s), s.once)
+        _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_memo_walk, s=s), s.once, p.dev, p.dtype)
     return out
 
 

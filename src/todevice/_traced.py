@@ -352,7 +352,7 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
         out = target
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if isinstance(x, _Mapping):  # what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h), h.copies.setdefault)
+        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h), h.copies.setdefault, h.dev, h.dtype)
     return out
 
 

@@ -324,25 +324,41 @@ def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
 
     def run_mapping(obj: Any) -> tuple[list[Any], Any]:
         children, (aux, entries) = run(obj)
-        keys = _keys_of_items(obj, children)
-        return children, (aux, keys if entries is None and all(k is not _NO_KEY for k in keys) else entries, keys)
+        keys = _keys_of_items(obj, children, entries)
+        if entries is None and all(k is not _NO_KEY for k in keys):
+            entries = keys  # paths in messages name the keys: ['lengths']
+        return children, (aux, entries, keys)
 
     return run_mapping if mapping else run
 
 
-def _keys_of_items(obj: Any, children: list[Any]) -> list[Any]:
-    """The key of each child of a registered mapping that is one of its items (by identity), ``_NO_KEY`` for any
-    other: so that ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput)."""
+def _keys_of_items(obj: Any, children: list[Any], entries: Any) -> list[Any]:
+    """The key of each child of a registered mapping that is one of its items, ``_NO_KEY`` for any other: so that
+    ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput).
+
+    The flatten's own entries where each names the item that its child is; else each child's key by identity: its
+    values in order (the usual flatten), or else the first item not yet taken that is the child. Without entries, one
+    object under two keys is taken in the mapping's order, whatever order the flatten lists them in. Found with
+    ``is``, never an ``id()``: under torch.compile an ``id()`` would make dynamo guard on the objects of one batch.
+    """
     try:
         items = list(obj.items())
     except Exception:  # a mapping that cannot list its items: none of its children is known as one
         return [_NO_KEY] * len(children)
+    if entries is not None and len(entries) == len(children):
+        named = dict(items)
+        try:
+            if all(named.get(e, _NO_KEY) is c for e, c in zip(entries, children)):
+                return list(entries)
+        except TypeError:  # an entry that is no key (unhashable): not names of items
+            pass
     if len(items) == len(children) and all(v is c for (_, v), c in zip(items, children)):
-        return [k for k, _ in items]  # the usual flatten: its values, in order
-    at: dict[int, list[Any]] = {}
-    for k, v in reversed(items):
-        at.setdefault(id(v), []).append(k)
-    return [at[id(c)].pop() if at.get(id(c)) else _NO_KEY for c in children]
+        return [k for k, _ in items]
+    keys: list[Any] = []
+    for c in children:
+        at = next((i for i, (_, v) in enumerate(items) if v is c), None)
+        keys.append(_NO_KEY if at is None else items.pop(at)[0])
+    return keys
 
 
 def _registered_unflatten(unflatten: Unflatten) -> Unflatten:

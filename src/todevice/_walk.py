@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from todevice import _stream, _tree, errors
+from todevice._options import casts
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
@@ -408,6 +409,8 @@ def copy_for_to(obj: Any) -> Any:
         return obj
     try:
         target = copy.copy(obj)
+        if target is obj:  # a singleton, or a class whose __reduce__ names a global: no copy to work on
+            return obj
     except RecursionError:
         if _depth() > sys.getrecursionlimit() // 2:
             raise  # deep nesting: the walk falls back to one with a stack, which calls this again near its top
@@ -478,14 +481,18 @@ def rest_of_mapping(
     skip: frozenset[Any],
     move_item: Callable[[Any], Any],
     once: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    dev: torch.device,
+    dtype: torch.dtype | None,
 ) -> Any:
     """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be.
 
     Such a ``.to()`` moves only what has a ``.to()`` (a BatchEncoding's): an item that is a container
-    (a list of tensors) is moved by ``move_item``. Each tensor its ``.to()`` moved is given to
-    ``once(source, copy)``, which answers with the move's one copy of that source: the copy made of it
-    elsewhere in the batch before, or this one, kept for a later meeting; so a tensor held twice stays
-    one. An item under a key in ``skip`` is put back as ``obj`` holds it. Written through
+    (a list of tensors) is moved by ``move_item``. Each tensor its ``.to()`` copied as move() copies
+    (to ``dev``, cast to ``dtype`` where move() casts) is given to ``once(source, copy)``, which answers
+    with the move's one copy of that source: the copy made of it elsewhere in the batch before, or this
+    one, kept for a later meeting; so a tensor held twice stays one. A tensor its ``.to()`` left as it is,
+    or copied otherwise, is its own choice, kept, and never stands for the source elsewhere. An item
+    under a key in ``skip`` is put back as ``obj`` holds it. Written through
     ``out[key] = ...``, into the copy the ``.to()`` was called on or what it returned; an item that
     ``out`` refuses stays as its ``.to()`` left it, and an ``out`` that is not a mutable mapping is left
     as it is. Returns ``out``.
@@ -499,7 +506,9 @@ def rest_of_mapping(
     pairs = [(key, value, before_of.get(key, _ABSENT)) for key, value in items.items()]
     changes = []
     for key, value, before in pairs:
-        if isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and key not in skip:
+        if key in skip or not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
+            continue
+        if _as_moved(before, value, dev, dtype):
             kept = once(before, value)
             if kept is not value:
                 changes.append((key, kept))
@@ -526,6 +535,15 @@ def rest_of_mapping(
 
 
 _ABSENT: Any = object()
+
+
+def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether ``out`` is a copy of ``t`` as move() makes one: on ``dev`` (any index of its type where it names none,
+    as under torch.compile), cast to ``dtype`` where move() casts."""
+    if out is t or out.dtype != (dtype if dtype is not None and casts(t) else t.dtype):
+        return False
+    on = out.device
+    return on == dev or (on.type == dev.type and dev.index is None)
 
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
