@@ -503,17 +503,18 @@ def rest_of_mapping(
     elif not isinstance(out, collections.abc.MutableMapping):
         return out
     before_of: Any = obj.data if collections.UserDict in type(obj).__mro__ and type(obj.data) is dict else obj
-    pairs = [(key, value, before_of.get(key, _ABSENT)) for key, value in items.items()]
+    get = before_of.get
     changes = []
-    for key, value, before in pairs:
-        if key in skip or not isinstance(value, torch.Tensor) or not isinstance(before, torch.Tensor):
-            continue
-        if _as_moved(before, value, dev, dtype):
-            kept = once(before, value)
-            if kept is not value:
-                changes.append((key, kept))
+    for key, value in items.items():
+        if isinstance(value, torch.Tensor) and key not in skip:
+            before = get(key)
+            if isinstance(before, torch.Tensor) and _as_moved(before, value, dev, dtype):
+                kept = once(before, value)
+                if kept is not value:
+                    changes.append((key, kept))
     if skip or not set(map(type, items.values())) <= _JUST_TENSORS:  # else every item a tensor, which it moved
-        for key, value, before in pairs:
+        for key, value in list(items.items()):  # a snapshot: moving an item runs other code
+            before = get(key, _ABSENT)
             if key in skip:
                 if before is not _ABSENT and value is not before:
                     changes.append((key, before))
@@ -540,7 +541,7 @@ _ABSENT: Any = object()
 def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether ``out`` is a copy of ``t`` as move() makes one: on ``dev`` (any index of its type where it names none,
     as under torch.compile), cast to ``dtype`` where move() casts."""
-    if out is t or out.dtype != (dtype if dtype is not None and casts(t) else t.dtype):
+    if out is t or out.dtype is not (dtype if dtype is not None and casts(t) else t.dtype):  # dtypes are singletons
         return False
     on = out.device
     return on == dev or (on.type == dev.type and dev.index is None)
