@@ -142,12 +142,7 @@ def test_a_mapping_with_its_own_to_still_goes_through_it() -> None:
     assert not hasattr(enc, "moved_by_to") and enc["input_ids"].device == CPU
 
 
-class TensorsOnly(collections.UserDict):  # type: ignore[type-arg]
-    """Like transformers' BatchEncoding.to(): moves the values that are tensors, in place, and returns self."""
-
-    def to(self, device: Any, non_blocking: bool = False) -> TensorsOnly:
-        self.data = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.data.items()}
-        return self
+TensorsOnly = helpers.Encoding  # like transformers' BatchEncoding.to(): moves its tensor values, in place
 
 
 @pytest.mark.parametrize("coalesce", [False, True, None])
@@ -922,3 +917,24 @@ def test_an_object_whose_copy_is_itself_is_moved_by_its_own_to_unchanged() -> No
     state, names = obj.__dict__, obj.names
     out = todevice.move([obj], "meta")[0]
     assert out.t.device == META and obj.__dict__ is state and obj.names is names and obj.t.device == CPU
+
+
+def test_an_object_whose_copy_shares_a_dict_it_cannot_replace_is_refused_unchanged() -> None:
+    store: dict[str, Any] = {}
+
+    class Shares:
+        """Every instance reads and writes one dict: its copy cannot be given one of its own."""
+
+        @property  # type: ignore[misc]
+        def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+            return store
+
+        def to(self, device: Any, non_blocking: bool = False) -> Shares:
+            store["t"] = store["t"].to(device)
+            return self
+
+    obj = Shares()
+    store["t"] = ones()
+    with pytest.raises(TypeError, match=r"Cannot move \['o'\] \(.*Shares\) to meta: a copy of it shares its __dict__"):
+        todevice.move({"o": obj}, "meta")
+    assert store["t"].device == CPU

@@ -428,9 +428,9 @@ def copy_for_to(obj: Any) -> Any:
             object.__setattr__(target, "__dict__", state)
         except Exception:  # it cannot have one: a .to() that writes attributes would write the input's
             msg = (
-                f"Cannot move a {tp.__qualname__} by its own .to() without changing it: a copy of it shares "
-                f"its __dict__, so a .to() that works in place would move the input too. Give {tp.__qualname__} "
-                f"a __copy__, or register it with todevice.register()."
+                f"a copy of it shares its __dict__ and cannot be given one of its own, so a .to() that works in "
+                f"place would move the input too. Give {tp.__qualname__} a __copy__, or register it with "
+                f"todevice.register()."
             )
             raise LeafError(obj, TypeError(msg)) from None
     if any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
@@ -497,13 +497,10 @@ def rest_of_mapping(
     ``out`` refuses stays as its ``.to()`` left it, and an ``out`` that is not a mutable mapping is left
     as it is. Returns ``out``.
     """
-    items: Any = out
-    if collections.UserDict in type(out).__mro__ and type(out.data) is dict:
-        items = out.data  # a BatchEncoding's items, read in C rather than through its methods
-    elif not isinstance(out, collections.abc.MutableMapping):
+    items = _items(out)
+    if items is out and not isinstance(out, collections.abc.MutableMapping):
         return out
-    before_of: Any = obj.data if collections.UserDict in type(obj).__mro__ and type(obj.data) is dict else obj
-    get = before_of.get
+    get = _items(obj).get
     changes = []
     for key, value in items.items():
         if isinstance(value, torch.Tensor) and key not in skip:
@@ -536,6 +533,11 @@ def rest_of_mapping(
 
 
 _ABSENT: Any = object()
+
+
+def _items(m: Any) -> Any:
+    """A mapping's items: a UserDict's (a BatchEncoding's) plain dict, read in C rather than through its methods."""
+    return m.data if collections.UserDict in type(m).__mro__ and type(m.data) is dict else m
 
 
 def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torch.dtype | None) -> bool:
