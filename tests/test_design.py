@@ -77,7 +77,8 @@ ALLOWED_STATE = {
     "_tree._BUILTIN",  # the rules of the built-in containers, never changed
     "_tree._registry",  # the registry
     "_tree._kinds",  # a type's rule, cleared on registration, gone when its type dies
-    "_tree._refs",  # the types of _kinds, held weakly
+    "_tree._late",  # a rule torch pytree, optree or a .to() may change, with what it was worked out under
+    "_tree._refs",  # the types of _kinds and _late, held weakly
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
     "_move._plans",  # move()'s arguments' plan, bounded
     "_into._checked",  # what out='s checks found of a set of targets, bounded, verified against them on every use

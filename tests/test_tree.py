@@ -287,7 +287,7 @@ def test_classes_made_per_batch_die_with_their_batch() -> None:
         del made, data, sub
     gc.collect()
     assert sum(r() is not None for r in refs) == 0  # the rules cached for them held none of them
-    assert len(_tree._kinds) == len(_tree._refs) < 100
+    assert len(_tree._kinds.keys() | _tree._late.keys()) == len(_tree._refs) < 100
 
 
 class DictProperty:
@@ -303,3 +303,59 @@ def test_no_warning_where_nothing_was_left_behind_and_no_error_from_a_dict_prope
         todevice.move({"d": DictProperty(), "x": torch.ones(1)}, "meta")
     with pytest.warns(TensorsLeftBehindWarning):
         todevice.move({"h": Holder(torch.ones(1))}, "cpu", dtype=torch.float16)  # it would have been cast
+
+
+# ---------------------------------------------------------------- a rule given after the first move
+
+
+class _Late:
+    def __init__(self, x: Any) -> None:
+        self.x = x
+
+
+def _with_torch_pytree(cls: type) -> Any:
+    _pytree.register_pytree_node(cls, lambda o: ([o.x], None), lambda ch, ctx: cls(ch[0]))
+    return lambda: _pytree._deregister_pytree_node(cls)
+
+
+def _with_optree(cls: type) -> Any:
+    everywhere = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
+    optree.register_pytree_node(cls, lambda o: ([o.x], None), lambda aux, ch: cls(ch[0]), namespace=everywhere)
+    return lambda: optree.unregister_pytree_node(cls, namespace=everywhere)
+
+
+def _with_todevice(cls: type) -> Any:
+    todevice.register(cls, lambda o: ([o.x], None), lambda aux, ch: cls(ch[0]))
+    return lambda: todevice.unregister(cls)
+
+
+def _with_to(cls: type) -> Any:
+    cls.to = lambda self, *args, **kwargs: cls(self.x.to(*args, **kwargs))  # type: ignore[attr-defined]
+    return lambda: None
+
+
+@pytest.mark.parametrize("give", [_with_torch_pytree, _with_optree, _with_todevice, _with_to], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("shape", ["unknown", "dataclass"])
+def test_a_rule_given_after_the_first_move_is_used_by_the_next(give: Any, shape: str) -> None:
+    cls: Any = type("Late", (_Late,), {})
+    if shape == "dataclass":
+        cls = dataclasses.dataclass(type("LateData", (), {"__annotations__": {"x": Any}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TensorsLeftBehindWarning)
+        first = todevice.move([cls(torch.ones(1))], "meta")[0]
+    assert first.x.device.type == ("meta" if shape == "dataclass" else "cpu")  # a dataclass is walked; Late is not
+    undo = give(cls)
+    try:
+        for how in ({}, {"strict": True}, {"coalesce": True}):
+            again = todevice.move([cls(torch.ones(1)), torch.ones(1)], "meta", **how)[0]
+            assert type(again) is cls and again.x.device.type == "meta", how
+        if give is not _with_to:  # its own .to() builds it; a registration's unflatten is what the rule calls
+            kind = _tree.kind_of(cls)
+            assert kind.code == _tree.NODE and kind.entry is _tree._registered_entry
+    finally:
+        undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TensorsLeftBehindWarning)
+        after = todevice.move([cls(torch.ones(1))], "meta")[0]
+    if give is not _with_to:  # unregistered: the rule it had before
+        assert after.x.device.type == first.x.device.type

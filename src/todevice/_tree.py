@@ -307,8 +307,11 @@ _MAPPING_PACKED = _MAPPING._replace(unflatten=_mapping_deferred)
 _lock = threading.Lock()
 _registry: dict[type, Kind] = {}  # the rule of each registered type
 # Each type's rule, by the type's id: a type is held weakly (``_refs``), and its entry goes when it dies,
-# so classes made per batch (a namedtuple defined in a function) die with their batch.
+# so classes made per batch (a namedtuple defined in a function) die with their batch. ``_kinds`` holds the rules
+# that only todevice.register() changes, which clears it; ``_late`` those that a later registration with torch
+# pytree or optree, or a ``.to()`` given to the class, would change, each with what it was worked out under.
 _kinds: dict[int, Kind] = {}
+_late: dict[int, tuple[Kind, tuple[Any, ...]]] = {}
 _refs: dict[int, weakref.ref[type]] = {}
 _generation = [0]  # bumped by every registration change
 
@@ -510,6 +513,10 @@ def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
 
 
+def _moves_itself(tp: type) -> bool:  # a PackedBatch: the walk hands it its own state
+    return callable(getattr(tp, "_todevice_move_", None))
+
+
 def _to_kind(tp: type) -> Kind:
     """The rule of an object with its own ``.to()``: the keywords of move() that its ``.to()`` takes, by its signature
     (all where it has none: a C method), and ``keys`` set where it is a mapping (a BatchEncoding), which is finished
@@ -544,6 +551,11 @@ def _pytree_kind(tp: type) -> Kind | None:
 
 
 def _classify(tp: type) -> Kind:
+    return _settled(tp) or _late_rule(tp)
+
+
+def _settled(tp: type) -> Kind | None:
+    """The rule of ``tp`` where no registration but todevice's own can change it; else None."""
     if tp is Slot or tp is AliasSlot:
         return Kind(SLOT)
     if tp is Deferred:
@@ -562,7 +574,7 @@ def _classify(tp: type) -> Kind:
         return Kind(ATOM)
     if issubclass(tp, torch.nn.Module):
         return Kind(MODULE)
-    if callable(getattr(tp, "_todevice_move_", None)):
+    if _moves_itself(tp):
         return Kind(OWN)
     if _has_to(tp):
         return _to_kind(tp)
@@ -570,6 +582,12 @@ def _classify(tp: type) -> Kind:
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
         return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry)
+    return None
+
+
+def _late_rule(tp: type) -> Kind:
+    """The rule of ``tp`` past ``_settled``'s: what a registration with torch pytree or optree, or a ``.to()`` given
+    to the class, would change."""
     foreign = _pytree_kind(tp)
     if foreign is not None:
         return foreign
@@ -586,17 +604,59 @@ def kind_of(tp: type) -> Kind:
     """The cached classification of ``tp``."""
     kind = _kinds.get(id(tp))
     if kind is None:
-        # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which
-        # could call back into todevice. A registration made meanwhile makes the answer stale, so
-        # it is only cached when no registration happened since.
-        generation = _generation[0]
-        kind = _classify(tp)
-        with _lock:
-            if _generation[0] == generation and id(tp) not in _refs:
+        kind = _late_kind(tp)
+    return kind
+
+
+def _late_kind(tp: type) -> Kind:
+    """A rule not in ``_kinds``: one in ``_late`` while what it was worked out under holds, else worked out now."""
+    late = _late.get(id(tp))
+    if late is None or late[1] != _worked_out_under(tp):
+        _learn(tp)
+        kind = _kinds.get(id(tp))
+        late = _late.get(id(tp))
+        if kind is not None:
+            return kind
+        if late is None:  # a registration made meanwhile: not cached, worked out again next time
+            return _classify(tp)
+    return late[0]
+
+
+def _worked_out_under(tp: type) -> tuple[Any, ...]:
+    """What a late rule depends on besides the type: how many types torch pytree and optree have registered (one
+    registered or removed there changes the count), and whether the class has a ``.to()`` or ``_todevice_move_``."""
+    return (len(_pytree.SUPPORTED_NODES), len(_optree_types()), _has_to(tp), _moves_itself(tp))
+
+
+def _optree_types() -> Any:
+    registry = getattr(optree.registry, "_NODETYPE_REGISTRY", None)  # read, not copied as register_pytree_node.get()
+    return registry if isinstance(registry, dict) else optree.register_pytree_node.get()
+
+
+def _learn(tp: type) -> int:
+    """Classify ``tp`` and cache its rule. Under torch.compile dynamo calls this as plain Python (it is marked as
+    giving a constant), so it never traces the lock, and reads the rule from the cache afterwards."""
+    # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which
+    # could call back into todevice. A registration made meanwhile makes the answer stale, so
+    # it is only cached when no registration happened since.
+    generation = _generation[0]
+    kind = _settled(tp)
+    under = None if kind is not None else _worked_out_under(tp)
+    if kind is None:
+        kind = _late_rule(tp)
+    with _lock:
+        if _generation[0] == generation:
+            if id(tp) not in _refs:
                 # The callback runs as the type is freed, before its id can name another type.
                 _refs[id(tp)] = weakref.ref(tp, functools.partial(_forget, id(tp)))
+            if under is None:
                 _kinds[id(tp)] = kind
-    return kind
+            else:
+                _late[id(tp)] = (kind, under)
+    return 0
+
+
+_learn._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _forget(key: int, ref: weakref.ref[type]) -> None:
@@ -608,11 +668,13 @@ def _forget(key: int, ref: weakref.ref[type]) -> None:
     if _refs.get(key) is ref:
         _refs.pop(key, None)
         _kinds.pop(key, None)
+        _late.pop(key, None)
 
 
 def _forget_all() -> None:  # under the lock: a registration changed, so every rule is worked out again
     _refs.clear()
     _kinds.clear()
+    _late.clear()
 
 
 def kind_for_packing(tp: type) -> Kind:
