@@ -630,7 +630,7 @@ def _worked_out_under(tp: type) -> tuple[Any, ...]:
 
 def _optree_types() -> Any:
     registry = getattr(optree.registry, "_NODETYPE_REGISTRY", None)  # read, not copied as register_pytree_node.get()
-    return registry if isinstance(registry, dict) else optree.register_pytree_node.get()
+    return registry if isinstance(registry, dict) else optree.register_pytree_node.get()  # type: ignore[call-arg]
 
 
 def _learn(tp: type) -> int:
