@@ -19,10 +19,10 @@ SRC = Path(todevice.__file__).parent
 # Each private module may import only those before it: data flows down this list.
 LAYERS = [
     "errors",
+    "_stream",
     "_options",
     "_objects",
     "_tree",
-    "_stream",
     "_walk",
     "_layout",
     "_back",
@@ -81,7 +81,6 @@ ALLOWED_STATE = {
     "_tree._refs",  # the types of _kinds and _late, held weakly
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
     "_move._plans",  # move()'s arguments' plan, bounded
-    "_into._checked",  # what out='s checks found of a set of targets, bounded, verified against them on every use
 }
 
 
@@ -165,7 +164,8 @@ def test_an_accelerator_named_without_an_index_is_its_current_device_on_each_cal
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An accelerator named without an index means its current device when the call is made: the cached plan only
-    says so, and the device's own plan is looked up on each call (an accelerator faked by meta, which takes indices)."""
+    says so, and the device's own plan is found by the index current at each call, planned once per index (an
+    accelerator faked by meta, which takes indices)."""
     current = [0]
     monkeypatch.setattr(_stream, "is_accelerator", lambda device: device.type == "meta")
     monkeypatch.setattr(_stream, "HOST_TYPES", frozenset({"cpu"}))
@@ -175,7 +175,16 @@ def test_an_accelerator_named_without_an_index_is_its_current_device_on_each_cal
         assert _move.plan_for("meta", True, None).dev == torch.device("meta", 0)
         current[0] = 1
         assert _move.plan_for("meta", True, None).dev == torch.device("meta", 1)
-        assert _move._plans[str, "meta", True, None] is None  # what the cache keeps for "meta" itself
+        assert _move._plans[str, "meta", True, None] == _move.Bare("meta")  # what the cache keeps for "meta" itself
+        made: list[Any] = []
+        real = _move.plan
+        monkeypatch.setattr(_move, "plan", lambda *args: made.append(args) or real(*args))
+        t = torch.ones(1)
+        for index in (0, 1, 0, 1):
+            current[0] = index
+            assert todevice.move(t, "meta").is_meta and todevice.move({"x": t}, "meta")["x"].is_meta
+            assert _move.plan_for("meta", True, None).dev == torch.device("meta", index)
+        assert made == []  # both indices planned above, once each
     finally:
         _move._plans.clear()
 

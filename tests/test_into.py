@@ -250,6 +250,8 @@ def test_objects_whose_tensors_cannot_be_paired_are_refused() -> None:
 
 def test_a_side_stream_is_refused_and_device_is_needed_without_out() -> None:
     with pytest.raises(TypeError, match="on a side stream"):
+        todevice.move({"a": torch.ones(2)}, out={"a": torch.zeros(2)}, stream=torch.Stream(device="cpu"))
+    with pytest.raises(TypeError, match=r"stream takes a torch\.Stream"):  # not a stream: the rule every path checks
         todevice.move({"a": torch.ones(2)}, out={"a": torch.zeros(2)}, stream=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Cannot move to device None"):
         todevice.move({"a": torch.ones(2)})
@@ -359,26 +361,38 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(*args)
 
     monkeypatch.setattr(_into, "_check_pairs", counted)
-    _into._checked.clear()
     return ran
 
 
-def test_the_same_targets_are_checked_once_then_verified_each_step(checks: list[int]) -> None:
+def test_every_step_checks_every_pair_whatever_ran_before(checks: list[int]) -> None:
     static = one_buffer_static(flat_inputs(0))
     for step in range(1, 6):
         b = flat_inputs(step)
         assert todevice.move(b, out=static) is static
         assert all(torch.equal(static[k], b[k]) for k in b)
-    assert len(checks) == 1  # the first step; the four after verify the targets and check the sources only
+    assert len(checks) == 5  # nothing is remembered of the targets: a step's path is the same whatever ran before
 
 
-def test_a_changed_target_is_checked_again(checks: list[int]) -> None:
+def test_part_of_a_buffer_is_copied_tensor_by_tensor_even_right_after_the_whole_of_it() -> None:
+    """One copy of a span writes the padding between its tensors: only where the targets are all the storage holds,
+    checked on each step, so a step into part of the buffer right after one into all of it copies each alone."""
+    static = todevice.move(batch(0), "meta", coalesce=True)
+    for _ in range(2):
+        with Copies("meta") as copies:
+            todevice.move(batch(1), out=static)
+        assert sorted(copies.seen) == [("aten.copy_.default", 1), ("aten.copy_.default", 1)]
+        with Copies("meta") as copies:
+            todevice.move({"x": batch(1)["x"]}, out={"x": static["x"]})
+        assert copies.seen == [("aten._foreach_copy_.default", 100)]
+
+
+def test_a_changed_target_is_found_on_the_next_step() -> None:
     static = one_buffer_static(flat_inputs(0))
     todevice.move(flat_inputs(1), out=static)
     static["x3"] = torch.zeros(16)  # another tensor at this key: another set of targets
     b = flat_inputs(2)
     todevice.move(b, out=static)
-    assert len(checks) == 2 and torch.equal(static["x3"], b["x3"]) and torch.equal(static["x4"], b["x4"])
+    assert torch.equal(static["x3"], b["x3"]) and torch.equal(static["x4"], b["x4"])
     static["x3"].resize_(8)  # the same tensor, another shape: found out, and nothing written
     kept = {k: v.clone() for k, v in static.items()}
     with pytest.raises(ValueError, match=r"at \['x3'\], out's tensor has shape \(8,\) and the batch's \(16,\)"):
@@ -416,11 +430,11 @@ def test_sources_are_checked_every_step_and_a_bad_one_writes_nothing(
     with pytest.raises(ValueError, match=error):
         todevice.move(b, out=static)
     assert all(torch.equal(static[k], kept[k]) for k in static)
-    assert len(checks) == 2  # found by the step's own check of the sources, and named by the full one
+    assert len(checks) == 2  # each step checks every pair: the bad one is named before anything is written
 
 
-def test_a_target_freed_and_its_id_taken_by_another_tensor_is_verified_by_its_memory(checks: list[int]) -> None:
-    for step in range(4):  # new static buffers each time: ids may come back, memory and layout are verified
+def test_a_target_freed_and_its_id_taken_by_another_tensor_is_written_right() -> None:
+    for step in range(4):  # new static buffers each time: ids may come back, and nothing is kept by id
         static = (
             one_buffer_static(flat_inputs(0))
             if step % 2

@@ -1,4 +1,9 @@
-"""The way back for a batch of plain dicts, lists and tuples holding device tensors: one look, one copy.
+"""The fast paths for plain dicts, lists and tuples of tensors: the gate that moves a few in one pass, and the way
+back for many small device tensors in one look and one copy.
+
+``gate`` is move()'s walk of the common batch (a dict of input and target, a list of two tensors) written for
+those three kinds alone: one pass that checks every value is a tensor, copies each that is not in place, and
+builds the container anew. Anything else goes to the general walk.
 
 A step's outputs (a metrics dict, a list of per-class values) are many small tensors on one
 accelerator, in containers of the three plain kinds. For such a batch, ``brought`` lists the tensors
@@ -26,6 +31,50 @@ from todevice import _layout, _stream, _tree
 _Tensor = torch.Tensor
 _ATOMS = _tree.FAST_ATOMS
 _JUST_TENSORS = frozenset({_Tensor})
+
+
+def gate(obj: Any, p: Any, coalesce: bool | None, s: Any = None) -> Any:
+    """The walk of a plain dict, list or tuple of tensors (``_walk.make``'s rule for the three), in one pass: to an
+    accelerator with under COALESCE_MIN_TENSORS tensors to copy (any number with coalesce=False), to the host any
+    number from the host (to the CPU, one off the host is gathered); none repeated or sharing memory, each copied alone
+    as _layout.sending plans; else None. On a side stream (``s``), host tensors only, their copies recorded in ``s``."""
+    tp = type(obj)
+    values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
+    least = _layout.COALESCE_MIN_TENSORS if coalesce is None and p.sends else len(values) + 1
+    keep, todo, host, gathers = p.keep, [], 0, p.gathers
+    try:
+        for v in values:
+            if type(v) is not _Tensor:
+                return None
+            if not keep(v):
+                todo.append(v)
+                if len(todo) >= least:  # enough to coalesce: the general path, after at most this many looks
+                    return None
+                if v.is_cpu:
+                    host += v.nbytes
+                elif s is not None or gathers:  # on a side stream, a copy from device memory waits for the user's
+                    return None
+    except RuntimeError:  # a sparse tensor has no nbytes
+        return None
+    if not todo:  # a new container, as from every path; an empty one or another type takes the general path
+        return (dict(obj) if tp is dict else tp([*values])) if values else None
+    if len(todo) > 1 and not _layout.distinct(todo):
+        return None
+    over = host > _layout.PAGEABLE_DIRECT_MAX_BYTES  # under it no count of tensors is staged: no call to is_pinned
+    made = _layout.stage(todo, p.dev, p.dtype) if over and p.stage else {}  # the pageable ones, where it pays
+    try:
+        copies = [made[id(v)] if id(v) in made else p.to(v) for v in todo] if made else [p.to(v) for v in todo]
+    except Exception:  # the general path names the path of the tensor that fails
+        return None
+    if s is not None:
+        s.sources += todo
+        s.results += copies
+    elif p.to_host:  # copies into host memory (casts, here): waited for before move() returns, as on every path
+        _stream.wait_for(todo)
+    if len(todo) < len(values):
+        done = dict(zip(map(id, todo), copies))
+        copies = [done.get(id(v), v) for v in values]
+    return dict(zip(obj, copies)) if tp is dict else tp(copies)
 
 
 def brought(obj: Any, max_bytes: int) -> Any:

@@ -40,7 +40,7 @@ def moved_on(
 ) -> tuple[Any, list[torch.Tensor], torch.Event]:
     """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
-    s = _move.State(_move.plan_for(dev, non_blocking, None, skip))
+    s = _move.State(_move.plan_for(dev, non_blocking, None, skip_keys=skip))
     out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
     copied = _stream.record_event(side, dev)
     return s.finish(out), s.outputs(), copied
@@ -87,7 +87,7 @@ class collate:  # named like a function: it stands where a collate_fn goes
             msg = f"Cannot make todevice.collate(collate_fn={_short(fn)}): collate_fn is not callable.{hint}"
             raise TypeError(msg)
         if device is not None:
-            _stream.resolve_device(device)  # a bad device fails here, not later inside a worker
+            _options.check(device, True, None)  # a bad device fails here, not later inside a worker
         self.collate_fn = collate_fn
         self.device = device
 
@@ -159,12 +159,12 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         if depth < 1:
             msg = f"Cannot prefetch with depth={depth}: depth counts the batches in flight and must be 1 or more."
             raise ValueError(msg)
-        _options.check_bool(non_blocking, "non_blocking")
+        dev, skip = _options.check(device, non_blocking, None, skip_keys=skip_keys)
         self.iterable = iterable
-        self.device = _stream.resolve_device(device)
+        self.device = torch.device(dev.type, _stream.current_index()) if _stream.means_current(dev) else dev
         self.depth = depth
         self.non_blocking = non_blocking
-        self.skip_keys = _options.skip_set(skip_keys) if skip_keys is not None else None
+        self.skip_keys = skip if skip_keys is not None else None
         self._side: torch.Stream | None = None
 
     def __len__(self) -> int:

@@ -15,6 +15,7 @@ import bisect
 import functools
 import itertools
 import operator
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -45,9 +46,8 @@ def into(
     strict: bool,
     skip: frozenset[Any],
 ) -> Any:
-    """``move(batch, dev, out=out, ...)``, its device and options checked but ``coalesce``: ``out`` itself, its
+    """``move(batch, dev, out=out, ...)``, its device and options checked: ``out`` itself, its
     tensors holding ``batch``'s values."""
-    _options.check_coalesce(coalesce)
     if stream is not None:
         msg = (
             "Cannot copy into out= on a side stream: the copies overwrite memory that work on the current "
@@ -62,137 +62,13 @@ def into(
     else:
         found = pairs(batch, out, skip)
         sources, targets = found[0::2], found[1::2]
-    if dtype is None and coalesce is not False and _verified(sources, targets, dev, non_blocking, max_bytes):
-        return out
     read = _check_pairs(sources, targets, out, dev, dtype)
-    sources = _read_first(sources, targets, read, out)
+    lay = _small_layout(read, max_bytes)  # every source a small host tensor: their layout in one buffer
+    span = _one_span(targets, lay, coalesce is not False) if lay is not None else None
+    sources = _read_first(sources, targets, read, out, span)
     with torch.no_grad():
-        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
-    if dtype is None and coalesce is not False:
-        _remember(sources, targets, read, non_blocking, max_bytes)
+        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes, lay, span)
     return out
-
-
-# ---------------------------------------------------------------- the same targets again: verified, not checked
-
-# A loop copies into the same static buffers every step. What the checks found of the targets (their
-# dtypes, shapes, that each is writable, that they are distinct, that they are views of one buffer
-# laid out as coalescing lays it out) is a function of the targets alone. So it is kept, by the
-# targets' ids, with what it was found of (their addresses, shapes and dtypes), and used again only
-# where those are the same on this step and each target is still contiguous; the sources are checked
-# on every step.
-# Measured on an H100's host (bench/README.md, "Into static buffers"): a list of one property of 100
-# tensors takes 6 to 13 us to read, so each check left per step costs about that.
-_checked: dict[tuple[int, ...], _Found] = {}
-_CHECKED_MAX = 8  # static structures a process copies into
-
-
-class _Found(NamedTuple):
-    """What the checks found of one set of targets, and what they found it of."""
-
-    ptrs: list[int]
-    shapes: list[torch.Size]
-    dtypes: list[torch.dtype]
-    device: torch.device
-    lay: _layout.Layout
-    base: int  # the byte offset of the targets' span in the first target's storage
-    non_blocking: bool
-    max_bytes: int
-
-
-def _remember(
-    sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, non_blocking: bool, max_bytes: int
-) -> None:
-    """After a checked copy: keep what was found of ``targets``, where the next step can copy as ``_again`` does."""
-    if not targets or not all(read.on_host) or max(read.nbytes) > max_bytes:
-        return
-    first = targets[0]
-    if not (first.is_cpu or _stream.is_accelerator(first.device)) or not all(map(_data_ptr, targets)):
-        return  # meta and empty tensors have no address to verify them by
-    if any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets)):
-        return
-    try:
-        lay = _layout.layout(tuple(read.dtypes), tuple(read.shapes), None)
-    except TypeError:
-        return
-    span = _span(targets, lay, whole=not first.is_cpu)
-    if span is None:
-        return
-    base = int(span.storage_offset())
-    if len(_checked) >= _CHECKED_MAX:
-        _checked.clear()
-    ptrs = list(map(_data_ptr, targets))
-    found = _Found(ptrs, read.shapes, read.dtypes, first.device, lay, base, non_blocking, max_bytes)
-    _checked[tuple(map(id, targets))] = found
-
-
-def _verified(
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    dev: torch.device | None,
-    non_blocking: bool,
-    max_bytes: int,
-) -> bool:
-    """The copy into targets checked on an earlier step and unchanged since: the sources checked, one write, one copy.
-
-    False, with nothing written, where anything differs: the full check then names what.
-    """
-    found = _checked.get(tuple(map(id, targets)))
-    try:
-        unchanged = found is not None and _still_holds(found, sources, targets, dev, non_blocking, max_bytes)
-    except RuntimeError:  # a sparse tensor has no address or strides
-        unchanged = False
-    if not unchanged:
-        return False
-    assert found is not None
-    lay = found.lay
-    first = targets[0]
-    try:
-        # Fails before writing anything where a target cannot be written (an inference tensor outside
-        # inference mode): the full check then says which.
-        with torch.no_grad():
-            span = _bytes(first, lay.nbytes, found.base)
-            if first.is_cpu:
-                lo, hi = span.data_ptr(), span.data_ptr() + lay.nbytes
-                if any(lo < p + _extent(t) and p < hi for t, p in zip(sources, map(_data_ptr, sources))):
-                    return False  # a source in the targets' memory: the full path reads it first
-                _layout.write(span, lay, sources)  # each target's bytes only
-                return True
-            staging = _stream.pinned(lay.nbytes, torch.uint8, found.device) if non_blocking else None
-            asynchronous = staging is not None
-            if staging is None:
-                staging = torch.empty(lay.nbytes, dtype=torch.uint8)
-            _layout.write(staging, lay, sources)
-            span.copy_(staging, non_blocking=asynchronous)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _still_holds(
-    found: _Found,
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    dev: torch.device | None,
-    non_blocking: bool,
-    max_bytes: int,
-) -> bool:
-    """Whether ``found`` holds for ``targets`` on this step, and the sources can be copied into them as they are."""
-    return not (
-        found.non_blocking != non_blocking
-        or found.max_bytes != max_bytes
-        or (dev is not None and dev != found.device)
-        or found.ptrs != list(map(_data_ptr, targets))
-        or found.shapes != list(map(_shape, targets))
-        or found.dtypes != list(map(_dtype, targets))
-        or not all(map(_Tensor.is_contiguous, targets))
-        # The sources, each step: the same shapes and dtypes, dense, on the host, needing no grad.
-        or found.shapes != list(map(_shape, sources))
-        or found.dtypes != list(map(_dtype, sources))
-        or not all(map(_is_cpu, sources))
-        or any(layout is not torch.strided for layout in set(map(_layout_of, sources)))
-        or (torch.is_grad_enabled() and any(map(_grad, sources)))
-    )
 
 
 # ---------------------------------------------------------------- memory shared between the two sides
@@ -243,10 +119,28 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(mine, theirs).any())
 
 
-def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
+def _read_first(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any, span: torch.Tensor | None
+) -> list[torch.Tensor]:
     """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
     read before anything is written (a swap, a rolling buffer); ValueError, naming both paths, where two targets
-    share memory, since one would be written over the other."""
+    share memory, since one would be written over the other.
+
+    Targets that are one buffer laid out as coalescing lays it out (``span``, what ``move(example, device)`` returns)
+    are apart by that layout: only the sources are compared with the buffer, in one pass, and none when it is
+    off the host, the sources on it."""
+    if span is not None:
+        if not span.is_cpu:
+            return sources
+        lo, hi = span.data_ptr(), span.data_ptr() + span.nbytes
+        starts = list(map(_data_ptr, sources))  # a contiguous source ends at start + nbytes; empty ones own none
+        ends: Iterable[int] = (
+            map(operator.add, starts, read.nbytes)
+            if all(map(_Tensor.is_contiguous, sources))
+            else [p + _extent(t) for t, p in zip(sources, starts)]
+        )
+        within = [i for i, (p, e) in enumerate(zip(starts, ends)) if p < hi and lo < e]
+        return [t.clone() if i in within else t for i, t in enumerate(sources)] if within else sources
     spans = _spans(targets)
     active: list[tuple[int, int]] = []  # (end, index) of the targets whose range reaches the next start
     for start, end, i in spans:
@@ -440,7 +334,7 @@ def _check_pairs(
         dtype is None
         and shapes == list(map(_shape, sources))
         and dtypes == list(map(_dtype, sources))
-        and (dev is None or all(d == dev for d in map(_device, targets)))
+        and (dev is None or set(map(_device, targets)) == {dev})
         and (all(on_host) or not any(t.is_meta for t in sources))
         and not (torch.is_grad_enabled() and any(map(_grad, sources)))
         and len(set(map(id, targets))) == len(targets)
@@ -454,10 +348,14 @@ def _check_pairs(
 def _writable(targets: list[torch.Tensor]) -> bool:
     """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
     return (
-        all(layout is torch.strided for layout in map(_layout_of, targets))
+        set(map(_layout_of, targets)) == {torch.strided}
         and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
-        and not any(torch._debug_has_internal_overlap(t) == 1 for t in targets)
+        and (all(map(_Tensor.is_contiguous, targets)) or not any(map(_overlaps_itself, targets)))
     )
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:  # an expanded view: one element at several places
+    return bool(torch._debug_has_internal_overlap(t) == 1)
 
 
 def _fault(
@@ -500,10 +398,15 @@ def _write_pairs(
     non_blocking: bool,
     coalesce: bool,
     max_bytes: int,
+    lay: _layout.Layout | None,
+    span: torch.Tensor | None,
 ) -> None:
-    """The copies, on the current stream: the small host tensors together, the rest alone."""
+    """The copies, on the current stream: the small host tensors together, the rest alone. ``lay`` and ``span``:
+    every source small and on the host, laid out as one buffer, and the targets' one buffer if they are one."""
+    if lay is not None:
+        _together(sources, targets, lay, non_blocking, span)
+        return
     small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
-    lay = None
     every = len(small) == len(sources)
     if small:
         dtypes, shapes = (read.dtypes, read.shapes) if every else (_pick(read.dtypes, small), _pick(read.shapes, small))
@@ -524,7 +427,26 @@ def _write_pairs(
     if lay is not None:
         if not every:
             sources, targets = _pick(sources, small), _pick(targets, small)
-        _together(sources, targets, lay, non_blocking, coalesce)
+        _together(sources, targets, lay, non_blocking, _one_span(targets, lay, coalesce))
+
+
+def _small_layout(read: _Read, max_bytes: int) -> _layout.Layout | None:
+    """Where every source is a host tensor of at most ``max_bytes``: the layout of one buffer of them, by the targets'
+    dtypes and shapes (a cast is written on the way). None otherwise, or for a dtype a byte buffer does not hold."""
+    if not read.on_host or not all(read.on_host) or max(read.nbytes) > max_bytes:
+        return None
+    try:
+        return _layout.layout(tuple(read.dtypes), tuple(read.shapes), None)
+    except TypeError:
+        return None
+
+
+def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) -> torch.Tensor | None:
+    """The one buffer the targets are views of, laid out as ``lay`` (``_span``), where one copy may write them all;
+    None with coalesce=False, or where a target is lazily conjugated or negated (each is copied as it is)."""
+    if not coalesce or any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets)):
+        return None
+    return _span(targets, lay, whole=not targets[0].is_cpu)
 
 
 def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
@@ -543,7 +465,11 @@ def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
 
 
 def _together(
-    sources: list[torch.Tensor], targets: list[torch.Tensor], lay: _layout.Layout, non_blocking: bool, coalesce: bool
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    lay: _layout.Layout,
+    non_blocking: bool,
+    span: torch.Tensor | None,
 ) -> None:
     """Small host tensors, copied together: in one copy where the targets are one buffer laid out as ``lay``.
 
@@ -551,12 +477,11 @@ def _together(
     else they are written into one staging buffer first (page-locked for an accelerator), which is
     sent with one copy, or cut into tensors that each go with a copy of their own.
     """
-    if any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets)):  # lazily conjugated or negated
-        for src, dst in zip(sources, targets):
+    if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
+        for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
             dst.copy_(src, non_blocking=non_blocking)
         return
     on_host = targets[0].is_cpu
-    span = _span(targets, lay, whole=not on_host) if coalesce else None
     if span is not None and on_host:
         _layout.write(span, lay, sources)  # each target's bytes only
         return

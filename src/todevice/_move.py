@@ -56,15 +56,18 @@ def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], placed: Call
     return x
 
 
-def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any] = frozenset()) -> Plan | None:
-    """The plan for moves with these arguments, each checked; ``_plans`` keeps it. None for an accelerator named
-    without an index ("cuda"): that means the device current when the call is made, whose plan is found on each call."""
-    dev = _stream.resolve_device(device, current=False)
-    _options.check_bool(non_blocking, "non_blocking")
-    if dtype is not None:
-        _options.check_dtype(dtype)
+class Bare(NamedTuple):
+    """What an accelerator named without an index ("cuda") plans: the device current when the call is made, so the
+    plan is that device's, found by its index (``_current``)."""
+
+    type: str
+
+
+def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any] = frozenset()) -> Plan | Bare:
+    """The plan for moves with these arguments, each checked; ``_plans`` keeps it."""
+    dev = _options.check(device, non_blocking, dtype)[0]
     if _stream.means_current(dev):
-        return None
+        return Bare(dev.type)
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     if dtype is None and dev.type == "cpu":
         keep = operator.attrgetter("is_cpu")  # a C call; `t.device == dev` makes a device object first
@@ -160,28 +163,35 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
 
 
 # The one cache from move()'s arguments to their plan, a pure function of them: the device argument's type is in the
-# key, as 0, 0.0 and False are equal keys and only 0 names a device. A dict, bounded by clearing it when full: the
+# key, as 0, 0.0 and False are equal keys and only 0 names a device. A bare accelerator name's plan is the current
+# device's, kept under (its Bare, the index, non_blocking, dtype). A dict, bounded by clearing it when full: the
 # lookup costs 15 to 30 ns less than an lru_cache's, on moves of a tensor already in place that take 0.5 us.
-_plans: dict[tuple[Any, ...], Plan | None] = {}
+_plans: dict[tuple[Any, ...], Plan | Bare] = {}
 
 
 def plan_for(
-    device: Any, non_blocking: bool, dtype: Any, skip_keys: Any = None, max_bytes: Any = COALESCE_MAX_BYTES
+    device: Any,
+    non_blocking: bool,
+    dtype: Any,
+    coalesce: Any = None,
+    max_bytes: Any = COALESCE_MAX_BYTES,
+    stream: Any = None,
+    strict: Any = False,
+    skip_keys: Any = None,
 ) -> Plan:
-    """The plan for move()'s arguments, or the error they deserve; "cuda" gets the plan of the device current now."""
+    """The plan for move()'s arguments, each checked by ``_options.check``; "cuda" gets the plan of the device current
+    now."""
     p = _cached(device, non_blocking, dtype, frozenset())  # checks the device, non_blocking and dtype, in that order
-    _options.check_bool(non_blocking, "non_blocking")  # 1 finds True's plan
-    if max_bytes is not COALESCE_MAX_BYTES:  # "cuda" comes here on every call, with the default most of the time
-        _options.check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
-    skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-    if p is None:  # an accelerator named without an index
-        device = torch.device(torch.device(device).type, _stream.current_index())
-    if p is None or skip:
-        p = _cached(device, non_blocking, dtype, skip)
+    if type(p) is Bare:
+        p = _current(p, non_blocking, dtype)
+    assert type(p) is Plan
+    skip = _options.check(device, non_blocking, dtype, coalesce, max_bytes, stream, strict, skip_keys, dev=p.dev)[1]
+    if skip:  # 1 finds True's plan above; the check refuses it
+        p = _cached(p.dev, non_blocking, dtype, skip)
     return p  # type: ignore[return-value]  # a device with its index has a plan
 
 
-def _cached(device: Any, non_blocking: bool, dtype: Any, skip: frozenset[Any]) -> Plan | None:
+def _cached(device: Any, non_blocking: bool, dtype: Any, skip: frozenset[Any]) -> Plan | Bare:
     key = (type(device), device, non_blocking, dtype, skip) if skip else (type(device), device, non_blocking, dtype)
     try:
         return _plans[key]
@@ -192,6 +202,16 @@ def _cached(device: Any, non_blocking: bool, dtype: Any, skip: frozenset[Any]) -
         _plans.clear()
     _plans[key] = p
     return p
+
+
+def _current(bare: Bare, non_blocking: bool, dtype: Any) -> Plan:
+    """The plan of the accelerator's current device, kept by its index: made once per index, not once per call."""
+    index = _stream.current_index()
+    key = (bare, index, non_blocking, dtype)
+    p = _plans.get(key)
+    if p is None:
+        p = _plans[key] = _cached(torch.device(bare.type, index), non_blocking, dtype, frozenset())
+    return p  # type: ignore[return-value]
 
 
 def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
@@ -484,21 +504,27 @@ def move(
             obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
             coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys,
         )  # fmt: skip
-    if non_blocking is not True and non_blocking is not False:  # 1 would find True's plan: refused on every call
-        _options.check_bool(non_blocking, "non_blocking")  # type: ignore[unreachable]  # typed bool, any value at run time
     try:
-        p = _plans[type(device), device, non_blocking, dtype]
+        p: Any = _plans[type(device), device, non_blocking, dtype]
+        if type(p) is Bare:  # "cuda": the plan of the device current now
+            p = _plans[p, _stream.current_index(), non_blocking, dtype]
     except (KeyError, TypeError):
         p = None
-    if p is None or skip_keys is not None or coalesce_max_bytes is not COALESCE_MAX_BYTES:  # plan_for checks them
-        p = plan_for(device, non_blocking, dtype, skip_keys, coalesce_max_bytes)  # and finds "cuda" its device
-    if coalesce is not None:
-        _options.check_coalesce(coalesce)
+    if (  # plan_for checks every option (_options.check); here the plan's are known good, and the others default
+        p is None
+        or (non_blocking is not True and non_blocking is not False)  # 1 would find True's plan: refused on every call
+        or coalesce is not None
+        or coalesce_max_bytes is not COALESCE_MAX_BYTES
+        or stream is not None
+        or strict is not False
+        or skip_keys is not None
+    ):
+        p = plan_for(device, non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
     if stream is None and not strict:
         if type(obj) is _Tensor:  # 3. a bare tensor: nothing to walk, alias or coalesce
-            return p.one(obj)  # type: ignore[arg-type,return-value]
-        if p.sends and not coalesce:  # 4. the fast gate: a plain dict, list or tuple of a few tensors, sent
-            done = _gate(obj, p, coalesce)
+            return p.one(obj)  # type: ignore[no-any-return]
+        if not coalesce:  # 4. the fast gate: a plain dict, list or tuple of a few tensors
+            done = _back.gate(obj, p, coalesce)
             if done is not None:
                 return done  # type: ignore[no-any-return]
     walk = p.host_walk if stream is None and not strict and (p.gathers or not coalesce) else None
@@ -514,7 +540,7 @@ def _into_static(
 ) -> Any:
     """move() with out=: the plan checks the device and options; without a device, out's tensors say where to."""
     stream, strict, skip_keys = opts
-    p = plan_for("cpu" if device is None else device, nb, dtype, skip_keys, max_bytes)
+    p = plan_for("cpu" if device is None else device, nb, dtype, coalesce, max_bytes, stream, strict, skip_keys)
     dev = None if device is None else p.dev
     return _into.into(obj, out, dev, nb, dtype, coalesce, max_bytes, stream, strict, p.skip)
 
@@ -527,51 +553,9 @@ def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: A
     if stream is None:
         out = _batch(obj, s, coalesce, max_bytes)
     else:
-        _stream.check_stream(stream)
         out, user = _on_stream(obj, s, stream, coalesce, max_bytes)
         _stream.hand_over(stream, user, s.outputs())
     return s.finish(out)
-
-
-def _gate(obj: Any, p: Plan, coalesce: bool | None, s: State | None = None) -> Any:
-    """To an accelerator, in one pass, a plain dict, list or tuple with under COALESCE_MIN_TENSORS tensors to copy (any
-    number with coalesce=False), none repeated or sharing memory, each copied alone as _layout.sending plans; else None.
-    On a side stream (``s``), host tensors only, their copies recorded in ``s``."""
-    tp = type(obj)
-    values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
-    least = _layout.COALESCE_MIN_TENSORS if coalesce is None else len(values) + 1
-    keep, todo, host = p.keep, [], 0
-    try:
-        for v in values:
-            if type(v) is not _Tensor:
-                return None
-            if not keep(v):
-                todo.append(v)
-                if len(todo) >= least:  # enough to coalesce: the general path, after at most this many looks
-                    return None
-                if v.is_cpu:
-                    host += v.nbytes
-                elif s is not None:  # on a side stream, a copy from device memory first waits for the user's stream
-                    return None
-    except RuntimeError:  # a sparse tensor has no nbytes
-        return None
-    if not todo:  # a new container, as from every path; an empty one or another type takes the general path
-        return (dict(obj) if tp is dict else tp([*values])) if values else None
-    if len(todo) > 1 and not _layout.distinct(todo):
-        return None
-    over = host > _layout.PAGEABLE_DIRECT_MAX_BYTES  # under it no count of tensors is staged: no call to is_pinned
-    made = _layout.stage(todo, p.dev, p.dtype) if over and p.stage else {}  # the pageable ones, where it pays
-    try:
-        copies = [made[id(v)] if id(v) in made else p.to(v) for v in todo] if made else [p.to(v) for v in todo]
-    except Exception:  # the general path names the path of the tensor that fails
-        return None
-    if s is not None:
-        s.sources += todo
-        s.results += copies
-    if len(todo) < len(values):
-        done = dict(zip(map(id, todo), copies))
-        copies = [done.get(id(v), v) for v in values]
-    return dict(zip(obj, copies)) if tp is dict else tp(copies)
 
 
 def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
@@ -694,7 +678,7 @@ def _on_stream(
     entered = _stream.enter_stream(stream, s.plan.dev)
     s.streams = (entered.user, stream)
     try:
-        out = _gate(obj, s.plan, coalesce, s) if s.plan.sends and not coalesce else None
+        out = _back.gate(obj, s.plan, coalesce, s) if s.plan.sends and not coalesce else None
         return (_batch(obj, s, coalesce, max_bytes) if out is None else out), entered.user
     finally:
         _stream.leave_stream(entered)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from todevice import _stream
+
 # Leaves up to this size are packed into one buffer and sent in one copy when moving from the host
 # to an accelerator. Packing a leaf costs a host memcpy; sending it alone costs a copy launch and an
 # allocation, 5 to 7 us on a GPU. On a 2-core x86 CPU, a 64 KiB host copy takes 3.4 to 10 us (8 KiB:
@@ -72,3 +74,32 @@ def check_coalesce(value: Any) -> None:
             f"Cannot move with coalesce={value!r}: coalesce takes None (the default: decided per batch), True or False."
         )
         raise TypeError(msg)
+
+
+def check(
+    device: Any,
+    non_blocking: Any,
+    dtype: Any,
+    coalesce: Any = None,
+    max_bytes: Any = COALESCE_MAX_BYTES,
+    stream: Any = None,
+    strict: Any = False,
+    skip_keys: Any = None,
+    dev: torch.device | None = None,
+) -> tuple[torch.device, frozenset[Any]]:
+    """Every option of move(), prefetch() and collate() checked, in this order, by one rule each: the target device
+    (``"cuda"`` left without its index) and the keys to skip, or the error that names the option, the value and the
+    fix. ``dev``: the device, checked already (by the plan these arguments found).
+    """
+    if dev is None:
+        dev = _stream.resolve_device(device, current=False)
+    check_bool(non_blocking, "non_blocking")
+    if dtype is not None:
+        check_dtype(dtype)
+    check_coalesce(coalesce)
+    if max_bytes is not COALESCE_MAX_BYTES:
+        check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
+    if stream is not None:
+        _stream.check_stream(stream)
+    check_bool(strict, "strict")
+    return dev, (frozenset() if skip_keys is None else skip_set(skip_keys))

@@ -86,19 +86,17 @@ def compiled(
 ) -> Any:
     """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs).
 
-    ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are checked, and otherwise ignored (see the module's
-    docstring). A bad argument raises here; dynamo then runs the call as plain Python, where the eager move's own
-    checks raise with their full message. (A device string that torch does not know fails while
-    tracing, with torch's message.)
+    Every option is checked as the eager move checks it, with its exception and message (``_problem``); ``coalesce``,
+    ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring).
     """
-    _options.check_coalesce(coalesce)
-    _options.check_max_bytes(coalesce_max_bytes, "coalesce with coalesce_max_bytes")
+    error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, strict, skip_keys)
+    if error == "TypeError":  # raised in the graph: dynamo runs the call as plain Python, which raises it again
+        raise TypeError(msg)
+    if error:
+        raise ValueError(msg)
     if stream is not None:
         _stream.check_stream(stream)
-    dev = _device(device)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
-        msg = f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only."
-        raise TypeError(msg)
+    dev = _target(device)
     skip = _skip_set(skip_keys)
     h = _How(dev, _non_blocking(non_blocking, dev), dtype, skip)
     out = _moved(obj, h)
@@ -109,17 +107,32 @@ def compiled(
     return out
 
 
-def _device(device: Any) -> torch.device:
-    if isinstance(device, torch.device):
-        dev = device
-    elif isinstance(device, (str, int)) and not isinstance(device, bool):
-        dev = torch.device(device)
-    else:
-        msg = f"Cannot move to device {device!r}: expected a str, an int or a torch.device."
-        raise TypeError(msg)
-    if dev.type == "cpu" and dev.index is not None:
-        return torch.device("cpu")  # "cpu:0" is "cpu", as tensors say
-    return dev
+def _problem(*options: Any) -> tuple[str, str]:
+    """What ``_options.check`` says of move()'s options but the stream (which dynamo cannot pass in as a constant):
+    ``("", "")``, or the name and message of its error, which the graph raises.
+
+    Dynamo runs this as plain Python and keeps its result as a constant (the mark below), so it never traces torch's
+    parsing of a device string, which fails inside dynamo itself. Where the call is run as plain Python instead, and
+    dynamo compiles this frame on its own, the check it calls is one dynamo leaves alone.
+    """
+    device, non_blocking, dtype, coalesce, max_bytes, strict, skip_keys = options
+    check = torch.compiler.disable(_options.check)  # type: ignore[no-untyped-call]
+    try:
+        check(device, non_blocking, dtype, coalesce, max_bytes, None, strict, skip_keys)
+    except (TypeError, ValueError) as err:
+        return type(err).__name__, str(err)
+    return "", ""
+
+
+_problem._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _target(device: Any) -> torch.device:
+    """The device checked by ``_problem``, as a constant in the graph ("cuda" stays "cuda": the current device)."""
+    return _stream.resolve_device(device, current=False)
+
+
+_target._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _non_blocking(non_blocking: bool, dev: torch.device) -> bool:
@@ -372,7 +385,7 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
     that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch
     packed outside is read as views of its buffer, which fill its slots.
     """
-    dev = _device(device)
+    dev = _target(device)
     return _unpacked(batch, _How(dev, _non_blocking(non_blocking, dev), None, frozenset()))
 
 
