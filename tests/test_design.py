@@ -79,6 +79,7 @@ ALLOWED_STATE = {
     "_tree._kinds",  # a type's rule, cleared on registration, gone when its type dies
     "_tree._late",  # a rule torch pytree, optree or a .to() may change, with what it was worked out under
     "_tree._refs",  # the types of _kinds and _late, held weakly
+    "_tree._OPTREE_NODES",  # optree's own registry, read for its size
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
     "_move._plans",  # move()'s arguments' plan, bounded
 }
@@ -204,3 +205,47 @@ def test_move_has_five_exits_each_named_in_its_body() -> None:
     body = inspect.getsource(_move).splitlines()[fn.lineno : fn.end_lineno]
     for n in range(1, 6):  # each exit, or the branch that leads to it, says which it is
         assert sum(f"# {n}. " in line for line in body) == 1, f"exit {n} is not named once"
+
+
+# Where a dict, list or tuple is taken apart by its type outside _tree's rules (and _objects', which _tree reads):
+# each a specialisation of one general rule, proven equal to the general walk by a property test, or no batch walk.
+TAKES_PLAIN_CONTAINERS_APART = {
+    "_walk.make.walk": "the walk's rule for dict, list and tuple, inline (tests/test_move.py properties)",
+    "_back.gate": "the walk of a plain dict, list or tuple of tensors in one pass (tests/test_paths.py)",
+    "_back.brought": "the way back of plain containers of device tensors (tests/backend/test_tdtest.py)",
+    "_back._only_plain": "the way back's look: the three kinds alone",
+    "_back._rebuilt": "the way back's rebuild: the three kinds alone",
+    "_into._flat_pairs": "out='s pairing of two flat dicts of tensors (tests/test_paths.py, tests/test_into.py)",
+    "_into._pair": "out='s pairing, a dict inline, by key (tests/test_into.py)",
+    "_into._pair_children": "out='s pairing of a list or tuple by position (tests/test_into.py)",
+    "_walk.copy_for_to": "no batch walk: copies an object's own attribute dicts before its .to() writes them",
+    "_walk._copy_plain_containers": "no batch walk: the same, at any depth",
+    "_walk._items": "no batch walk: a UserDict's own dict, read in C",
+    "_walk.left_behind": "no batch walk: an object's __dict__, looked at for tensors left behind",
+}
+
+
+def functions_taking_plain_containers_apart() -> set[str]:
+    """Every function that compares a type with ``dict``, ``list`` or ``tuple`` by identity, as module.function."""
+    found = set()
+    for path in sorted(SRC.glob("_*.py")):
+        if path.stem in ("_tree", "_objects"):
+            continue
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare) or not any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                continue
+            if not any(isinstance(c, ast.Name) and c.id in ("dict", "list", "tuple") for c in node.comparators):
+                continue
+            names, up = [], node
+            while up in parents:
+                up = parents[up]
+                if isinstance(up, (ast.FunctionDef, ast.ClassDef)):
+                    names.append(up.name)
+            found.add(f"{path.stem}.{'.'.join(reversed(names))}")
+    return found
+
+
+def test_only_the_rules_and_their_named_specialisations_take_plain_containers_apart() -> None:
+    assert functions_taking_plain_containers_apart() == set(TAKES_PLAIN_CONTAINERS_APART)

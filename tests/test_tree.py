@@ -313,6 +313,18 @@ class _Late:
         self.x = x
 
 
+class _LateMapping(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A mapping whose rule is the plain mappings' until another is given."""
+
+    def __init__(self, x: Any) -> None:
+        self.data = x if isinstance(x, dict) else {"x": x}
+
+    x = property(lambda self: self.data["x"])
+    __getitem__ = lambda self, k: self.data[k]  # noqa: E731
+    __iter__ = lambda self: iter(self.data)  # noqa: E731
+    __len__ = lambda self: len(self.data)  # noqa: E731
+
+
 def _with_torch_pytree(cls: type) -> Any:
     _pytree.register_pytree_node(cls, lambda o: ([o.x], None), lambda ch, ctx: cls(ch[0]))
     return lambda: _pytree._deregister_pytree_node(cls)
@@ -331,31 +343,46 @@ def _with_todevice(cls: type) -> Any:
 
 def _with_to(cls: type) -> Any:
     cls.to = lambda self, *args, **kwargs: cls(self.x.to(*args, **kwargs))  # type: ignore[attr-defined]
-    return lambda: None
+    return lambda: None  # a class keeps the .to() it was given
 
 
 @pytest.mark.parametrize("give", [_with_torch_pytree, _with_optree, _with_todevice, _with_to], ids=lambda f: f.__name__)
-@pytest.mark.parametrize("shape", ["unknown", "dataclass"])
-def test_a_rule_given_after_the_first_move_is_used_by_the_next(give: Any, shape: str) -> None:
-    cls: Any = type("Late", (_Late,), {})
-    if shape == "dataclass":
-        cls = dataclasses.dataclass(type("LateData", (), {"__annotations__": {"x": Any}}))
+@pytest.mark.parametrize("base", [_Late, _LateMapping], ids=["unknown", "mapping"])
+def test_a_rule_given_after_the_first_move_is_used_by_the_next(give: Any, base: type) -> None:
+    cls: Any = type("Late", (base,), {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TensorsLeftBehindWarning)
         first = todevice.move([cls(torch.ones(1))], "meta")[0]
-    assert first.x.device.type == ("meta" if shape == "dataclass" else "cpu")  # a dataclass is walked; Late is not
+    assert first.x.device.type == ("cpu" if base is _Late else "meta")  # an unknown object stays; a mapping is walked
+    before = _tree.kind_of(cls)
     undo = give(cls)
     try:
         for how in ({}, {"strict": True}, {"coalesce": True}):
             again = todevice.move([cls(torch.ones(1)), torch.ones(1)], "meta", **how)[0]
             assert type(again) is cls and again.x.device.type == "meta", how
-        if give is not _with_to:  # its own .to() builds it; a registration's unflatten is what the rule calls
-            kind = _tree.kind_of(cls)
+        kind = _tree.kind_of(cls)
+        if give is _with_to:
+            assert kind.code == _tree.TO
+        else:
             assert kind.code == _tree.NODE and kind.entry is _tree._registered_entry
     finally:
         undo()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TensorsLeftBehindWarning)
-        after = todevice.move([cls(torch.ones(1))], "meta")[0]
-    if give is not _with_to:  # unregistered: the rule it had before
-        assert after.x.device.type == first.x.device.type
+    if give is not _with_to:
+        assert _tree.kind_of(cls).code == before.code  # the registration gone: the rule it had before
+
+
+def test_a_dataclass_keeps_the_rule_it_was_first_moved_with_until_todevice_register() -> None:
+    """A rule that claims a type (a dataclass's) is not checked against later registrations on each move: it costs
+    its every move a check. todevice.register() still takes over at once."""
+    cls: Any = dataclasses.make_dataclass("Early", [("x", Any)])
+    assert todevice.move([cls(torch.ones(1))], "meta")[0].x.is_meta
+    undo = _with_torch_pytree(cls)
+    try:
+        assert _tree.kind_of(cls).entry is not _tree._registered_entry
+    finally:
+        undo()
+    undo = _with_todevice(cls)
+    try:
+        assert _tree.kind_of(cls).entry is _tree._registered_entry
+    finally:
+        undo()

@@ -35,33 +35,44 @@ _JUST_TENSORS = frozenset({_Tensor})
 
 def gate(obj: Any, p: Any, coalesce: bool | None, s: Any = None) -> Any:
     """The walk of a plain dict, list or tuple of tensors (``_walk.make``'s rule for the three), in one pass: to an
-    accelerator with under COALESCE_MIN_TENSORS tensors to copy (any number with coalesce=False), to the host any
-    number from the host (to the CPU, one off the host is gathered); none repeated or sharing memory, each copied alone
-    as _layout.sending plans; else None. On a side stream (``s``), host tensors only, their copies recorded in ``s``."""
+    accelerator with under COALESCE_MIN_TENSORS tensors to copy (any number with coalesce=False), to the CPU or meta
+    any number from the host (to the CPU, one off the host is gathered); none repeated or sharing memory, each copied
+    alone as _layout.sending plans; else None. On a side stream (``s``), host tensors only, their copies recorded in
+    ``s``."""
     tp = type(obj)
-    values = list(obj.values()) if tp is dict and not p.skip else obj if tp is list or tp is tuple else ()
-    least = _layout.COALESCE_MIN_TENSORS if coalesce is None and p.sends else len(values) + 1
-    keep, todo, host, gathers = p.keep, [], 0, p.gathers
-    try:
-        for v in values:
-            if type(v) is not _Tensor:
-                return None
-            if not keep(v):
-                todo.append(v)
-                if len(todo) >= least:  # enough to coalesce: the general path, after at most this many looks
-                    return None
-                if v.is_cpu:
-                    host += v.nbytes
-                elif s is not None or gathers:  # on a side stream, a copy from device memory waits for the user's
-                    return None
-    except RuntimeError:  # a sparse tensor has no nbytes
+    if tp is dict and not p.skip:
+        values: Any = obj.values()
+    elif tp is list or tp is tuple:
+        values = obj
+    else:
         return None
-    if not todo:  # a new container, as from every path; an empty one or another type takes the general path
-        return (dict(obj) if tp is dict else tp([*values])) if values else None
+    if not values or type(next(iter(values))) is not _Tensor:  # a nested batch: at once to the walk
+        return None
+    if not p.sends and set(map(type, values)) == _JUST_TENSORS and all(map(p.keep, values)):
+        return dict(obj) if tp is dict else tp([*values])  # to the CPU, all there: two C loops and a new container
+    least = _layout.COALESCE_MIN_TENSORS if coalesce is None and p.sends else len(values) + 1
+    keep, todo, off_host = p.keep, [], s is not None or p.gathers
+    for v in values:
+        if type(v) is not _Tensor:
+            return None
+        if not keep(v):
+            todo.append(v)
+            if len(todo) >= least:  # enough to coalesce: the general path, after at most this many looks
+                return None
+            if off_host and not v.is_cpu:  # gathered to the CPU; on a side stream, waits for the user's stream first
+                return None
+    if not todo:  # a new container, as from every path
+        return dict(obj) if tp is dict else tp([*values])
     if len(todo) > 1 and not _layout.distinct(todo):
         return None
-    over = host > _layout.PAGEABLE_DIRECT_MAX_BYTES  # under it no count of tensors is staged: no call to is_pinned
-    made = _layout.stage(todo, p.dev, p.dtype) if over and p.stage else {}  # the pageable ones, where it pays
+    made = {}
+    if p.stage:  # the pageable ones through pinned memory, where it pays; under the limit, no call to is_pinned
+        try:
+            host = sum(v.nbytes for v in todo if v.is_cpu)
+        except RuntimeError:  # a sparse tensor has no nbytes
+            return None
+        if host > _layout.PAGEABLE_DIRECT_MAX_BYTES:
+            made = _layout.stage(todo, p.dev, p.dtype)
     try:
         copies = [made[id(v)] if id(v) in made else p.to(v) for v in todo] if made else [p.to(v) for v in todo]
     except Exception:  # the general path names the path of the tensor that fails

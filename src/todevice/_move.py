@@ -38,6 +38,10 @@ class Plan(NamedTuple):
     stage: bool  # pageable tensors may cross through pinned memory: non_blocking, to an accelerator but MPS
     to_host: bool  # asynchronous copies land in host memory: wait for them before returning
     skip: frozenset[Any]  # the keys whose items stay as they are
+    # Whether a plain dict, list or tuple of tensors takes the fast gate: to an accelerator, and to the CPU; not to
+    # meta, where every tensor is copied and the optimistic walk records the copies as cheaply (2 and 3 tensors
+    # measured 3% to 8% slower through the gate, on a 2-core x86 VM).
+    gated: bool
 
 
 class _NeedsMemo(Exception): ...  # the optimistic walk met an object that only the memo walk moves
@@ -159,7 +163,10 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     others = functools.partial(_plain_objects_only, placed=placed)
     host_walk = _walk.make(keep, recorded, others, _tree.kind_of, skip=skip) if host else None
     walks = (host_walk, memo_walk)
-    return Plan(dev, non_blocking, dtype, keep, placed, to, alone, one, *walks, not host, gathers, stage, to_host, skip)
+    return Plan(
+        dev, non_blocking, dtype, keep, placed, to, alone, one, *walks, not host, gathers, stage, to_host, skip,
+        dev.type != "meta",
+    )  # fmt: skip
 
 
 # The one cache from move()'s arguments to their plan, a pure function of them: the device argument's type is in the
@@ -523,7 +530,7 @@ def move(
     if stream is None and not strict:
         if type(obj) is _Tensor:  # 3. a bare tensor: nothing to walk, alias or coalesce
             return p.one(obj)  # type: ignore[no-any-return]
-        if not coalesce:  # 4. the fast gate: a plain dict, list or tuple of a few tensors
+        if p.gated and not coalesce:  # 4. the fast gate: a plain dict, list or tuple of a few tensors
             done = _back.gate(obj, p, coalesce)
             if done is not None:
                 return done  # type: ignore[no-any-return]

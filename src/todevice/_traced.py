@@ -194,13 +194,6 @@ def _moved(x: Any, h: _How) -> Any:
     tp = type(x)
     if isinstance(x, torch.Tensor):
         return _tensor(x, h)
-    if tp is dict:
-        skip = h.skip
-        return {k: _kept(v, h) if k in skip else _moved(v, h) for k, v in x.items()}
-    if tp is list:
-        return [_moved(v, h) for v in x]
-    if tp is tuple:
-        return tuple([_moved(v, h) for v in x])
     if tp is _tree.Slot or tp is _tree.AliasSlot:  # before the atoms: a slot is an int
         return _tree.filled(x, h.views, h.aliases)
     # A registration wins, as in _tree's rules (a registered subclass of int is a container).
@@ -209,7 +202,7 @@ def _moved(x: Any, h: _How) -> Any:
         return _node(x, reg, h)
     if tp in _tree._ATOMIC_EXACT or isinstance(x, _tree._ATOMIC_BASES):  # _tree's atoms (numpy's go through _rule)
         return x
-    builtin = _tree._BUILTIN.get(tp)  # OrderedDict, defaultdict, deque, set, frozenset: by their _tree rules
+    builtin = _tree._BUILTIN.get(tp)  # dict, list, tuple, OrderedDict, defaultdict, deque, sets: by their _tree rules
     if builtin is not None:
         if tp is frozenset and any(isinstance(v, torch.Tensor) for v in x) and torch.compiler.is_dynamo_compiling():
             # Dynamo (2.13) rebuilds a frozenset of tensors only in a frame that names frozenset
@@ -227,8 +220,6 @@ def _moved(x: Any, h: _How) -> Any:
             out = _unpacked(x, h)
             h.memo.append((x, out))
         return out
-    if rule == _NAMEDTUPLE:
-        return tp._make([_moved(v, h) for v in x])
     if rule == _STRUCTSEQ:
         return tp([_moved(v, h) for v in x])
     if rule == _DATACLASS:
@@ -247,14 +238,14 @@ def _moved(x: Any, h: _How) -> Any:
             if name in attrs:  # a field with init=False and no default may never have been set
                 object.__setattr__(out, name, _moved(attrs[name], h))
         return out
-    if rule == _NODE:  # kind_of takes a lock: dynamo breaks the graph, and the rest runs as plain Python
+    if rule == _NODE:  # by its _tree rule; where dynamo cannot trace that, the graph breaks, and it runs as Python
         return _node(x, _tree.kind_of(tp), h)
     h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
     return x
 
 
 # How _moved takes an object of a type it does not test for itself: what ``_rule`` says.
-_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _NAMEDTUPLE, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE = range(10)
+_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE = range(9)
 _TAKES_DTYPE = 16  # or'ed into _TO and _TO_NB where the type's .to() takes dtype=
 
 
@@ -280,9 +271,11 @@ def _rule(tp: type) -> int:
     if code == _tree.NODE:
         if kind.entry is _tree._registered_entry:  # registered with torch pytree or optree: their flatten
             return _NODE
-        if issubclass(tp, tuple) and hasattr(tp, "_fields"):
-            return _NAMEDTUPLE
-        if issubclass(tp, tuple) and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0):
+        if (
+            issubclass(tp, tuple)
+            and not hasattr(tp, "_fields")
+            and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0)
+        ):
             return _STRUCTSEQ  # a structseq with no field beyond its items (torch.return_types)
         if dataclasses.is_dataclass(tp) and _plain_object(tp):
             # Before 2.12 dynamo cannot list an instance's attributes. Those of a dataclass are its
