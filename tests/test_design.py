@@ -212,6 +212,7 @@ def test_move_has_five_exits_each_named_in_its_body() -> None:
 TAKES_PLAIN_CONTAINERS_APART = {
     "_walk.make.walk": "the walk's rule for dict, list and tuple, inline (tests/test_move.py properties)",
     "_back.gate": "the walk of a plain dict, list or tuple of tensors in one pass (tests/test_paths.py)",
+    "_back._copied": "the gate's copies, in a new container of the same kind",
     "_back.brought": "the way back of plain containers of device tensors (tests/backend/test_tdtest.py)",
     "_back._only_plain": "the way back's look: the three kinds alone",
     "_back._rebuilt": "the way back's rebuild: the three kinds alone",

@@ -317,6 +317,19 @@ def test_targets_copy_cannot_write_are_refused_before_anything_is_written() -> N
         assert not static["a"].any()
 
 
+def test_one_buffer_of_inference_tensors_is_written_in_inference_mode_only() -> None:
+    with torch.inference_mode():
+        static = one_buffer_static(flat_inputs(0))
+    before = {k: v.clone() for k, v in static.items()}
+    with pytest.raises(ValueError, match=r"cannot be written in place"):
+        todevice.move(flat_inputs(1), out=static)
+    assert all(torch.equal(static[k], before[k]) for k in static)  # nothing written
+    with torch.inference_mode():
+        b = flat_inputs(2)
+        todevice.move(b, out=static)
+    assert all(torch.equal(static[k], b[k]) for k in static)
+
+
 def test_conjugate_and_negative_views_get_their_values_not_their_bytes() -> None:
     buffer = todevice.pack({"z": torch.zeros(2, dtype=torch.complex64), "n": torch.zeros(4)}).unpack()
     static = {"z": buffer["z"].conj(), "n": buffer["n"]._neg_view()}
@@ -351,26 +364,22 @@ def one_buffer_static(example: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 @pytest.fixture
-def checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many times out='s full check runs."""
-    ran: list[int] = []
-    real = _into._check_pairs
-
-    def counted(*args: Any) -> Any:
-        ran.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(_into, "_check_pairs", counted)
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Which of out='s checks run, in order: "one buffer" (the few reads of the common step) and "full"."""
+    ran: list[str] = []
+    for name, label in (("_one_buffer", "one buffer"), ("_check_pairs", "full")):
+        real = getattr(_into, name)
+        monkeypatch.setattr(_into, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
     return ran
 
 
-def test_every_step_checks_every_pair_whatever_ran_before(checks: list[int]) -> None:
+def test_every_step_checks_every_pair_whatever_ran_before(checks: list[str]) -> None:
     static = one_buffer_static(flat_inputs(0))
     for step in range(1, 6):
         b = flat_inputs(step)
         assert todevice.move(b, out=static) is static
         assert all(torch.equal(static[k], b[k]) for k in b)
-    assert len(checks) == 5  # nothing is remembered of the targets: a step's path is the same whatever ran before
+    assert checks == ["one buffer"] * 5  # nothing is remembered of the targets: each step reads every pair
 
 
 def test_part_of_a_buffer_is_copied_tensor_by_tensor_even_right_after_the_whole_of_it() -> None:
@@ -420,7 +429,7 @@ def test_a_changed_target_is_found_on_the_next_step() -> None:
     ],
 )
 def test_sources_are_checked_every_step_and_a_bad_one_writes_nothing(
-    checks: list[int], change: Any, error: str
+    checks: list[str], change: Any, error: str
 ) -> None:
     static = one_buffer_static(flat_inputs(0))
     todevice.move(flat_inputs(1), out=static)
@@ -430,7 +439,8 @@ def test_sources_are_checked_every_step_and_a_bad_one_writes_nothing(
     with pytest.raises(ValueError, match=error):
         todevice.move(b, out=static)
     assert all(torch.equal(static[k], kept[k]) for k in static)
-    assert len(checks) == 2  # each step checks every pair: the bad one is named before anything is written
+    # Each step reads every pair: the bad one fails the few reads, and the full check names it before any write.
+    assert checks == ["one buffer", "one buffer", "full"]
 
 
 def test_a_target_freed_and_its_id_taken_by_another_tensor_is_written_right() -> None:

@@ -65,6 +65,12 @@ def gate(obj: Any, p: Any, coalesce: bool | None, s: Any = None) -> Any:
         return dict(obj) if tp is dict else tp([*values])
     if len(todo) > 1 and not _layout.distinct(todo):
         return None
+    return _copied(obj, values, todo, p, s)
+
+
+def _copied(obj: Any, values: Any, todo: list[torch.Tensor], p: Any, s: Any) -> Any:
+    """The gate's copies of ``todo`` (``values`` those of ``obj``), in a new container; None where one fails. Apart
+    from ``gate``, whose early returns then make no cells for what the comprehensions here read."""
     made = {}
     if p.stage:  # the pageable ones through pinned memory, where it pays; under the limit, no call to is_pinned
         try:
@@ -85,7 +91,7 @@ def gate(obj: Any, p: Any, coalesce: bool | None, s: Any = None) -> Any:
     if len(todo) < len(values):
         done = dict(zip(map(id, todo), copies))
         copies = [done.get(id(v), v) for v in values]
-    return dict(zip(obj, copies)) if tp is dict else tp(copies)
+    return dict(zip(obj, copies)) if type(obj) is dict else type(obj)(copies)
 
 
 def brought(obj: Any, max_bytes: int) -> Any:

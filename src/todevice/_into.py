@@ -15,7 +15,6 @@ import bisect
 import functools
 import itertools
 import operator
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -62,6 +61,12 @@ def into(
     else:
         found = pairs(batch, out, skip)
         sources, targets = found[0::2], found[1::2]
+    one = _one_buffer(sources, targets, dev, max_bytes) if dtype is None and coalesce is not False else None
+    if one is not None:  # the common step, in few reads
+        sources = _read_first(sources, targets, None, out, one[1])
+        with torch.no_grad():
+            _together(sources, targets, one[0], non_blocking, one[1])
+        return out
     read = _check_pairs(sources, targets, out, dev, dtype)
     lay = _small_layout(read, max_bytes)  # every source a small host tensor: their layout in one buffer
     span = _one_span(targets, lay, coalesce is not False) if lay is not None else None
@@ -120,7 +125,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _read_first(
-    sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any, span: torch.Tensor | None
+    sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read | None, out: Any, span: torch.Tensor | None
 ) -> list[torch.Tensor]:
     """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
     read before anything is written (a swap, a rolling buffer); ValueError, naming both paths, where two targets
@@ -134,13 +139,15 @@ def _read_first(
             return sources
         lo, hi = span.data_ptr(), span.data_ptr() + span.nbytes
         starts = list(map(_data_ptr, sources))  # a contiguous source ends at start + nbytes; empty ones own none
-        ends: Iterable[int] = (
-            map(operator.add, starts, read.nbytes)
+        ends = (
+            list(map(operator.add, starts, map(_nbytes, sources)))
             if all(map(_Tensor.is_contiguous, sources))
             else [p + _extent(t) for t, p in zip(sources, starts)]
         )
-        within = [i for i, (p, e) in enumerate(zip(starts, ends)) if p < hi and lo < e]
-        return [t.clone() if i in within else t for i, t in enumerate(sources)] if within else sources
+        if not any(map(operator.and_, map(hi.__gt__, starts), map(lo.__lt__, ends))):  # in C: none in the buffer
+            return sources
+        return [t.clone() if p < hi and lo < e else t for t, p, e in zip(sources, starts, ends)]
+    assert read is not None
     spans = _spans(targets)
     active: list[tuple[int, int]] = []  # (end, index) of the targets whose range reaches the next start
     for start, end, i in spans:
@@ -315,6 +322,48 @@ class _Read(NamedTuple):
     dtypes: list[torch.dtype]  # the targets'
     on_host: list[bool]  # the sources'
     nbytes: list[int]  # the sources'
+
+
+def _one_buffer(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], dev: torch.device | None, max_bytes: int
+) -> tuple[_layout.Layout, torch.Tensor] | None:
+    """The common step in few reads: small dense host sources into targets that are views of one buffer laid out as
+    coalescing lays it out (what ``move(example, device)`` returns). The layout and the targets' byte span, or None
+    for the full check (``_check_pairs``), which then names what differs.
+
+    That layout (``_span``) proves what the full check reads target by target: the targets are plain, contiguous,
+    distinct, apart from each other, written by one copy through a view of the first, and on one device. So a step
+    reads about ten properties of each pair, where the full check reads about fifteen; nothing is kept between
+    steps.
+    """
+    first, last = targets[0], targets[-1]
+    try:
+        if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():  # not one buffer: at once
+            return None
+        shapes, dtypes = list(map(_shape, targets)), list(map(_dtype, targets))
+        if (
+            shapes != list(map(_shape, sources))
+            or dtypes != list(map(_dtype, sources))
+            or not all(map(_is_cpu, sources))
+            or set(map(_layout_of, sources)) != {torch.strided}
+            or (torch.is_grad_enabled() and any(map(_grad, sources)))
+        ):
+            return None
+        lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
+        if lay.nbytes > max_bytes and max(map(_nbytes, sources)) > max_bytes:
+            return None
+    except (RuntimeError, TypeError):  # a tensor with no shape or storage; a dtype a byte buffer does not hold
+        return None
+    if any(map(_Tensor.is_neg, targets)) or (
+        any(d.is_complex for d in set(dtypes)) and any(map(_Tensor.is_conj, targets))
+    ):
+        return None
+    # One write through the span, a view of the first target: an inference tensor there refuses it outside
+    # inference mode, as copy_() would refuse each target.
+    if (dev is not None and first.device != dev) or (first.is_inference() and not torch.is_inference_mode_enabled()):
+        return None
+    span = _span(targets, lay, whole=not first.is_cpu)
+    return None if span is None else (lay, span)
 
 
 def _check_pairs(
