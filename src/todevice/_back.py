@@ -48,8 +48,6 @@ def gate(obj: Any, p: Any, coalesce: bool | None, s: Any = None) -> Any:
         return None
     if not values or type(next(iter(values))) is not _Tensor:  # a nested batch: at once to the walk
         return None
-    if not p.sends and set(map(type, values)) == _JUST_TENSORS and all(map(p.keep, values)):
-        return dict(obj) if tp is dict else tp([*values])  # to the CPU, all there: two C loops and a new container
     least = _layout.COALESCE_MIN_TENSORS if coalesce is None and p.sends else len(values) + 1
     keep, todo, off_host = p.keep, [], s is not None or p.gathers
     for v in values:

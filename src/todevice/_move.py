@@ -176,23 +176,14 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
 _plans: dict[tuple[Any, ...], Plan | Bare] = {}
 
 
-def plan_for(
-    device: Any,
-    non_blocking: bool,
-    dtype: Any,
-    coalesce: Any = None,
-    max_bytes: Any = COALESCE_MAX_BYTES,
-    stream: Any = None,
-    strict: Any = False,
-    skip_keys: Any = None,
-) -> Plan:
-    """The plan for move()'s arguments, each checked by ``_options.check``; "cuda" gets the plan of the device current
-    now."""
+def plan_for(device: Any, non_blocking: bool, dtype: Any, *options: Any, **named: Any) -> Plan:
+    """The plan for move()'s arguments, each checked by ``_options.check`` (``options`` and ``named`` are its arguments
+    after ``dtype``: coalesce, max_bytes, stream, strict, skip_keys); "cuda" gets the plan of the device current now."""
     p = _cached(device, non_blocking, dtype, frozenset())  # checks the device, non_blocking and dtype, in that order
     if type(p) is Bare:
         p = _current(p, non_blocking, dtype)
     assert type(p) is Plan
-    skip = _options.check(device, non_blocking, dtype, coalesce, max_bytes, stream, strict, skip_keys, dev=p.dev)[1]
+    skip = _options.check(device, non_blocking, dtype, *options, **named, dev=p.dev)[1]  # type: ignore[misc]
     if skip:  # 1 finds True's plan above; the check refuses it
         p = _cached(p.dev, non_blocking, dtype, skip)
     return p  # type: ignore[return-value]  # a device with its index has a plan
@@ -517,24 +508,24 @@ def move(
             p = _plans[p, _stream.current_index(), non_blocking, dtype]
     except (KeyError, TypeError):
         p = None
+    plain = stream is None and strict is False
     if (  # plan_for checks every option (_options.check); here the plan's are known good, and the others default
         p is None
+        or not plain
         or (non_blocking is not True and non_blocking is not False)  # 1 would find True's plan: refused on every call
         or coalesce is not None
         or coalesce_max_bytes is not COALESCE_MAX_BYTES
-        or stream is not None
-        or strict is not False
         or skip_keys is not None
     ):
         p = plan_for(device, non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
-    if stream is None and not strict:
+    if plain:
         if type(obj) is _Tensor:  # 3. a bare tensor: nothing to walk, alias or coalesce
             return p.one(obj)  # type: ignore[no-any-return]
         if p.gated and not coalesce:  # 4. the fast gate: a plain dict, list or tuple of a few tensors
             done = _back.gate(obj, p, coalesce)
             if done is not None:
                 return done  # type: ignore[no-any-return]
-    walk = p.host_walk if stream is None and not strict and (p.gathers or not coalesce) else None
+    walk = p.host_walk if plain and (p.gathers or not coalesce) else None
     return (  # type: ignore[no-any-return]  # 5. the walks: to the host, the optimistic one first; else the memo walk
         _general(obj, p, coalesce, coalesce_max_bytes, stream, strict)
         if walk is None
