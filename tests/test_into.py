@@ -317,6 +317,13 @@ def test_targets_copy_cannot_write_are_refused_before_anything_is_written() -> N
         assert not static["a"].any()
 
 
+def test_a_step_of_large_tensors_only_copies_each_alone() -> None:
+    static = {"a": torch.zeros(40_000), "b": [torch.zeros(20_000, dtype=torch.float64)]}
+    b = {"a": torch.randn(40_000), "b": [torch.randn(20_000, dtype=torch.float64)]}
+    assert todevice.move(b, out=static, coalesce_max_bytes=1024) is static
+    assert torch.equal(static["a"], b["a"]) and torch.equal(static["b"][0], b["b"][0])
+
+
 def test_one_buffer_of_inference_tensors_is_written_in_inference_mode_only() -> None:
     with torch.inference_mode():
         static = one_buffer_static(flat_inputs(0))

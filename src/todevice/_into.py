@@ -63,16 +63,14 @@ def into(
         sources, targets = found[0::2], found[1::2]
     one = _one_buffer(sources, targets, dev, max_bytes) if dtype is None and coalesce is not False else None
     if one is not None:  # the common step, in few reads
-        sources = _read_first(sources, targets, None, out, one[1])
+        sources = _read_first_in(sources, one[1])
         with torch.no_grad():
             _together(sources, targets, one[0], non_blocking, one[1])
         return out
     read = _check_pairs(sources, targets, out, dev, dtype)
-    lay = _small_layout(read, max_bytes)  # every source a small host tensor: their layout in one buffer
-    span = _one_span(targets, lay, coalesce is not False) if lay is not None else None
-    sources = _read_first(sources, targets, read, out, span)
+    sources = _read_first(sources, targets, read, out)
     with torch.no_grad():
-        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes, lay, span)
+        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
     return out
 
 
@@ -124,30 +122,10 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(mine, theirs).any())
 
 
-def _read_first(
-    sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read | None, out: Any, span: torch.Tensor | None
-) -> list[torch.Tensor]:
+def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
     """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
     read before anything is written (a swap, a rolling buffer); ValueError, naming both paths, where two targets
-    share memory, since one would be written over the other.
-
-    Targets that are one buffer laid out as coalescing lays it out (``span``, what ``move(example, device)`` returns)
-    are apart by that layout: only the sources are compared with the buffer, in one pass, and none when it is
-    off the host, the sources on it."""
-    if span is not None:
-        if not span.is_cpu:
-            return sources
-        lo, hi = span.data_ptr(), span.data_ptr() + span.nbytes
-        starts = list(map(_data_ptr, sources))  # a contiguous source ends at start + nbytes; empty ones own none
-        ends = (
-            list(map(operator.add, starts, map(_nbytes, sources)))
-            if all(map(_Tensor.is_contiguous, sources))
-            else [p + _extent(t) for t, p in zip(sources, starts)]
-        )
-        if not any(map(operator.and_, map(hi.__gt__, starts), map(lo.__lt__, ends))):  # in C: none in the buffer
-            return sources
-        return [t.clone() if p < hi and lo < e else t for t, p, e in zip(sources, starts, ends)]
-    assert read is not None
+    share memory, since one would be written over the other."""
     spans = _spans(targets)
     active: list[tuple[int, int]] = []  # (end, index) of the targets whose range reaches the next start
     for start, end, i in spans:
@@ -171,6 +149,23 @@ def _read_first(
         if k >= 0 and reach[k] > start:
             fresh[i] = sources[i].clone()
     return fresh
+
+
+def _read_first_in(sources: list[torch.Tensor], span: torch.Tensor) -> list[torch.Tensor]:
+    """``_read_first`` for targets that are one buffer laid out as coalescing lays it out (``span``): apart by that
+    layout, so only the sources are compared with the buffer, in C loops; none where it is off the host."""
+    if not span.is_cpu:
+        return sources
+    lo, hi = span.data_ptr(), span.data_ptr() + span.nbytes
+    starts = list(map(_data_ptr, sources))  # a contiguous source ends at start + nbytes; empty ones own none
+    ends = (
+        list(map(operator.add, starts, map(_nbytes, sources)))
+        if all(map(_Tensor.is_contiguous, sources))
+        else [p + _extent(t) for t, p in zip(sources, starts)]
+    )
+    if not any(map(operator.and_, map(hi.__gt__, starts), map(lo.__lt__, ends))):  # in C: none in the buffer
+        return sources
+    return [t.clone() if p < hi and lo < e else t for t, p, e in zip(sources, starts, ends)]
 
 
 # ---------------------------------------------------------------- pairing the two structures
@@ -447,15 +442,10 @@ def _write_pairs(
     non_blocking: bool,
     coalesce: bool,
     max_bytes: int,
-    lay: _layout.Layout | None,
-    span: torch.Tensor | None,
 ) -> None:
-    """The copies, on the current stream: the small host tensors together, the rest alone. ``lay`` and ``span``:
-    every source small and on the host, laid out as one buffer, and the targets' one buffer if they are one."""
-    if lay is not None:
-        _together(sources, targets, lay, non_blocking, span)
-        return
+    """The copies, on the current stream: the small host tensors together, the rest alone."""
     small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
+    lay = None
     every = len(small) == len(sources)
     if small:
         dtypes, shapes = (read.dtypes, read.shapes) if every else (_pick(read.dtypes, small), _pick(read.shapes, small))
@@ -477,17 +467,6 @@ def _write_pairs(
         if not every:
             sources, targets = _pick(sources, small), _pick(targets, small)
         _together(sources, targets, lay, non_blocking, _one_span(targets, lay, coalesce))
-
-
-def _small_layout(read: _Read, max_bytes: int) -> _layout.Layout | None:
-    """Where every source is a host tensor of at most ``max_bytes``: the layout of one buffer of them, by the targets'
-    dtypes and shapes (a cast is written on the way). None otherwise, or for a dtype a byte buffer does not hold."""
-    if not read.on_host or not all(read.on_host) or max(read.nbytes) > max_bytes:
-        return None
-    try:
-        return _layout.layout(tuple(read.dtypes), tuple(read.shapes), None)
-    except TypeError:
-        return None
 
 
 def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) -> torch.Tensor | None:
