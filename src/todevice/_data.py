@@ -161,7 +161,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
             raise ValueError(msg)
         dev, skip = _options.check(device, non_blocking, None, skip_keys=skip_keys)
         self.iterable = iterable
-        self.device = torch.device(dev.type, _stream.current_index()) if _stream.means_current(dev) else dev
+        self.device = _stream.resolve_device(dev)  # "cuda": the device current now
         self.depth = depth
         self.non_blocking = non_blocking
         self.skip_keys = skip if skip_keys is not None else None

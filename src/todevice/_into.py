@@ -349,15 +349,11 @@ def _one_buffer(
             return None
     except (RuntimeError, TypeError):  # a tensor with no shape or storage; a dtype a byte buffer does not hold
         return None
-    if any(map(_Tensor.is_neg, targets)) or (
-        any(d.is_complex for d in set(dtypes)) and any(map(_Tensor.is_conj, targets))
-    ):
-        return None
     # One write through the span, a view of the first target: an inference tensor there refuses it outside
     # inference mode, as copy_() would refuse each target.
     if (dev is not None and first.device != dev) or (first.is_inference() and not torch.is_inference_mode_enabled()):
         return None
-    span = _span(targets, lay, whole=not first.is_cpu)
+    span = _one_span(targets, lay, True)
     return None if span is None else (lay, span)
 
 
@@ -471,8 +467,11 @@ def _write_pairs(
 
 def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) -> torch.Tensor | None:
     """The one buffer the targets are views of, laid out as ``lay`` (``_span``), where one copy may write them all;
-    None with coalesce=False, or where a target is lazily conjugated or negated (each is copied as it is)."""
-    if not coalesce or any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets)):
+    None with coalesce=False, or where a target is lazily conjugated or negated (each is copied as it is). Only a
+    complex target can be conjugated: the layout's dtypes, the targets', say whether any is."""
+    if not coalesce or any(map(_Tensor.is_neg, targets)):
+        return None
+    if any(g.final.is_complex for g in lay.groups) and any(map(_Tensor.is_conj, targets)):
         return None
     return _span(targets, lay, whole=not targets[0].is_cpu)
 

@@ -612,7 +612,7 @@ def kind_of(tp: type) -> Kind:
     if kind is not None:
         return kind
     late = _late.get(id(tp))
-    if late is not None and late[1] == (len(_pytree.SUPPORTED_NODES), len(_OPTREE_NODES)) and not _given(tp):
+    if late is not None and late[1] == _counts() and not _given(tp):
         return late[0]
     _learn(tp)
     kind = _kinds.get(id(tp))
