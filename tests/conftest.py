@@ -8,7 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Hypothesis: 100 examples a property by default (the whole suite runs twice in CI's 6 minutes); CI runs them
+from todevice import _stream
+
+# Hypothesis: 100 examples a property by default; CI runs them
 # derandomized, so a red run can be replayed; HYPOTHESIS_PROFILE=thorough runs 2,000, to hunt before a release.
 _common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("default", max_examples=100, **_common)
@@ -22,9 +24,16 @@ collect_ignore_glob = [] if os.environ.get("TODEVICE_TDTEST") == "1" else ["back
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.accelerator.is_available():
+    if _stream.accelerator() is not None:
         return
-    skip = pytest.mark.skip(reason="no accelerator on this machine (torch.accelerator.is_available() is False)")
+    skip = pytest.mark.skip(reason="no accelerator on this machine")
     for item in items:
         if "accelerator" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_flush_to_zero() -> None:
+    """Each test starts with subnormal floats kept: inductor's CPU kernels turn flush-to-zero on for the whole process
+    on torch 2.4, and Hypothesis then refuses its float strategies."""
+    torch.set_flush_denormal(False)

@@ -8,11 +8,18 @@ import dataclasses
 import enum
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 from torch.utils import _pytree
 
 import todevice
+from todevice import _traced
 from todevice.testing import FrozenRecord, FrozenSlotsRecord, SlotsRecord
+
+# A test of what dynamo traces: torch.compile traces move() from torch 2.11, and runs it outside the graph before.
+traces = pytest.mark.skipif(
+    not _traced.TRACES, reason=f"torch.compile traces move() from torch 2.11; torch {torch.__version__} runs it eagerly"
+)
 
 
 class Point(NamedTuple):

@@ -28,7 +28,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def accelerator() -> torch.device:
-    acc = torch.accelerator.current_accelerator()
+    acc = _stream.accelerator()
     assert acc is not None
     return torch.device(acc.type, _stream.current_index())
 
@@ -99,8 +99,8 @@ def test_integer_device_is_an_accelerator_index() -> None:
 
 def test_index_past_the_last_device_raises() -> None:
     kind = accelerator().type
-    with pytest.raises(ValueError, match=f"there are {torch.accelerator.device_count()} {kind} devices here"):
-        todevice.move(torch.ones(1), f"{kind}:{torch.accelerator.device_count()}")
+    with pytest.raises(ValueError, match=f"there are {_stream.accel.device_count()} {kind} devices here"):
+        todevice.move(torch.ones(1), f"{kind}:{_stream.accel.device_count()}")
 
 
 # ---------------------------------------------------------------- nothing read early

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
 from tests import helpers
-from todevice import _inspect, _traced, _walk
+from todevice import _inspect, _move, _pack, _traced, _walk
 
 SRC = Path(todevice.__file__).parent
 
@@ -116,6 +117,7 @@ def check(actual: Any, expected: Any) -> None:
 # ---------------------------------------------------------------- one graph
 
 
+@helpers.traces
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", structures())
 def test_fullgraph_move_matches_eager(name: str, target: str) -> None:
@@ -125,6 +127,7 @@ def test_fullgraph_move_matches_eager(name: str, target: str) -> None:
     check(out, todevice.move(obj, device, dtype=dtype))
 
 
+@helpers.traces
 def test_fullgraph_move_is_one_graph_of_per_leaf_copies() -> None:
     graphs: list[torch.fx.GraphModule] = []
 
@@ -178,6 +181,7 @@ def test_a_compiled_step_is_not_compiled_again_for_each_new_batch(name: str) -> 
     assert len(graphs) == first
 
 
+@helpers.traces
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_a_wrapper_made_with_functools_wraps_keeps_its_body_under_compile(fullgraph: bool) -> None:
     @functools.wraps(todevice.move)  # copies move's __dict__: nothing there may stand in for the wrapper
@@ -192,6 +196,7 @@ def test_a_wrapper_made_with_functools_wraps_keeps_its_body_under_compile(fullgr
     assert move_with_extra.__name__ == "move" and move_with_extra.__doc__ == todevice.move.__doc__
 
 
+@helpers.traces
 def test_a_bare_tensor_is_traced_as_one_copy_in_a_graph() -> None:
     graphs: list[torch.fx.GraphModule] = []
 
@@ -205,6 +210,7 @@ def test_a_bare_tensor_is_traced_as_one_copy_in_a_graph() -> None:
     assert out.is_meta and out.dtype == torch.float16 and len(graphs) == 1
 
 
+@helpers.traces
 def test_aot_backend_and_inside_a_model() -> None:
     model = torch.nn.Linear(3, 2, dtype=torch.float64)
 
@@ -233,6 +239,7 @@ class Carrier:
         return self
 
 
+@helpers.traces
 def test_fullgraph_move_of_registered_types_to_objects_and_modules() -> None:
     todevice.register(Pair, lambda p: ((p.a, p.b), None), lambda aux, ch: Pair(*ch))
     try:
@@ -249,6 +256,7 @@ def test_fullgraph_move_of_registered_types_to_objects_and_modules() -> None:
     assert type(out["seq"]) is type(seq) and out["seq"].data.is_meta
 
 
+@helpers.traces
 def test_fullgraph_mapping_with_its_own_to_has_its_containers_moved_and_skipped_keys_kept() -> None:
     from tests.test_dropin import InPlaceStore, TensorsOnly
 
@@ -285,6 +293,7 @@ class NoNonBlocking(ReturnsNone):
         return NoNonBlocking(self.t.to(device))
 
 
+@helpers.traces
 @pytest.mark.parametrize("cls", [ReturnsNone, Uncopyable, NoNonBlocking])
 def test_fullgraph_move_of_to_objects_as_the_eager_move_calls_them(cls: type[ReturnsNone]) -> None:
     obj = cls(torch.ones(2))
@@ -297,6 +306,7 @@ class Plain:
     pass
 
 
+@helpers.traces
 def test_fullgraph_move_keeps_other_leaves_as_they_are() -> None:
     import datetime
     import pathlib
@@ -327,6 +337,7 @@ class PostInit:
         self.extra = self.x + 1  # an attribute beyond the fields, which the eager move moves too
 
 
+@helpers.traces
 def test_a_dataclass_with_post_init_gives_every_attribute_it_set() -> None:
     obj = {"p": PostInit(torch.ones(2))}
     out = fullgraph_where_traced(lambda b: todevice.move(b, "meta"), obj)
@@ -340,6 +351,7 @@ class Sparse:
     never: int = dataclasses.field(init=False)  # never set: absent from the instance, as from its copy
 
 
+@helpers.traces
 def test_the_rules_for_dynamo_before_2_12_on_any_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the traced walk does where dynamo cannot list an instance's attributes, checked on this torch."""
     monkeypatch.setattr(_traced, "LISTS_ATTRIBUTES", False)
@@ -368,6 +380,7 @@ class Tagged(int):
     t: torch.Tensor
 
 
+@helpers.traces
 def test_fullgraph_move_of_a_registered_subclass_of_int() -> None:
     def make(n: int, t: torch.Tensor) -> Tagged:
         out = Tagged(n)
@@ -385,6 +398,7 @@ def test_fullgraph_move_of_a_registered_subclass_of_int() -> None:
     assert type(out["c"]) is Tagged and out["c"] == 3 and out["c"].t.is_meta
 
 
+@helpers.traces
 def test_a_tensor_in_place_comes_back_as_it_is_and_a_repeat_once() -> None:
     x, y = torch.ones(2), torch.zeros(2, dtype=torch.float64)
     out = compiled(lambda b: todevice.move(b, "cpu", dtype=torch.float64), fullgraph=True)({"x": x, "y": y, "z": [y]})
@@ -394,6 +408,7 @@ def test_a_tensor_in_place_comes_back_as_it_is_and_a_repeat_once() -> None:
     assert same["a"] is same["b"]
 
 
+@helpers.traces
 def test_skip_keys_leaves_the_entries_as_they_are() -> None:
     lengths, inner = torch.tensor([3, 1]), torch.ones(2)
     batch = {"x": torch.ones(2, 3), "lengths": lengths, "sub": [{"lengths": inner, "y": torch.zeros(1)}]}
@@ -402,6 +417,7 @@ def test_skip_keys_leaves_the_entries_as_they_are() -> None:
     assert out["x"].is_meta and out["sub"][0]["y"].is_meta
 
 
+@helpers.traces
 def test_strict_traces_a_clean_batch_and_still_refuses_an_unknown_object() -> None:
     batch = {"x": torch.ones(2), "n": 1}
     out = compiled(lambda b: todevice.move(b, "meta", strict=True), fullgraph=True)(batch)
@@ -426,6 +442,7 @@ def test_options_the_compiler_ignores_are_still_checked(options: dict[str, Any],
             fn({"x": torch.ones(2)}, "meta", **options)
 
 
+@helpers.traces
 def test_coalescing_options_give_per_leaf_copies_under_compile() -> None:
     obj = structures()["nested"]
     out = compiled(lambda b: todevice.move(b, "meta", coalesce=True, coalesce_max_bytes=1 << 20), fullgraph=True)(obj)
@@ -498,6 +515,7 @@ def test_a_batch_packed_outside_unpacks_inside() -> None:
     assert moved["a"] is moved["e"]
 
 
+@helpers.traces
 def test_skip_keys_in_a_batch_packed_outside() -> None:
     batch = {"x": torch.ones(2, 3), "lengths": torch.tensor([3, 1]), "sub": [{"lengths": torch.ones(2)}]}
     packed = todevice.pack(batch)
@@ -597,3 +615,34 @@ def test_the_edges_give_the_eager_result() -> None:
     assert len(out["items"]) == 2 and out["items"][1]["lengths"] is items[1]["lengths"]
     assert out["out"]["lengths"].device == torch.device("cpu") and out["out"]["x"].device == torch.device("meta")
     assert out["labels"] is out["enc"]["input_ids"]
+
+
+# ---------------------------------------------------------------- before torch 2.11: outside the graph
+
+
+def test_before_torch_2_11_move_pack_and_unpack_run_outside_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What torch 2.4 to 2.10 get, on any torch: the eager result behind a graph break, and under fullgraph=True an
+    error that names the release which traces move()."""
+    monkeypatch.setattr(_traced, "TRACES", False)
+    monkeypatch.setattr(_move, "_untraced", _traced.untraced(todevice.move, "todevice.move()"))
+    monkeypatch.setattr(_pack, "_untraced_pack", _traced.untraced(todevice.pack, "todevice.pack()"))
+    monkeypatch.setattr(_pack, "_untraced_unpack", _traced.untraced(todevice.PackedBatch.unpack, "unpack()"))
+    batch = {"x": torch.ones(2, 3), "s": frozenset({torch.ones(1)}), "k": [torch.arange(3), "id"]}
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # newer dynamo steps into the wrapper and warns where it turns dynamo off
+        out = torch.compile(lambda b: todevice.move(b, "meta", dtype=torch.float16), backend=backend)(batch)
+        packed = torch.compile(lambda b: todevice.pack(b), backend="eager")(batch)
+        unpacked = torch.compile(lambda p: p.unpack("meta"), backend="eager")(packed)
+        with pytest.raises(Exception, match=re.escape("todevice.move(), which torch.compile traces from torch 2.11")):
+            torch.compile(lambda b: todevice.move(b, "meta"), backend="eager", fullgraph=True)(batch)
+    check(out, todevice.move(batch, "meta", dtype=torch.float16))
+    assert not any(n.op == "call_method" and n.target == "to" for g in graphs for n in g.graph.nodes)
+    assert packed.layout is not _traced.NOTHING_PACKED and packed.buffer.numel() > 0  # packed as eager code packs
+    check(unpacked, todevice.move(batch, "meta"))

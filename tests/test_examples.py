@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from todevice import _stream
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 
 pytestmark = pytest.mark.skipif(not EXAMPLES.is_dir(), reason=f"no examples at {EXAMPLES}")
 
 # Where the frameworks put a single-process run; each example prints "N steps on <device>".
-DEVICE_TYPE = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+DEVICE_TYPE = getattr(_stream.accelerator(), "type", "cpu")
 
 
 def _needs(module: str) -> None:

@@ -634,7 +634,7 @@ def test_strict_lists_every_unknown_leaf_with_its_path() -> None:
 
 
 def test_strict_accepts_every_atomic_value() -> None:
-    import numpy as np
+    np = pytest.importorskip("numpy")
 
     tree = [*CORPUS["atoms"], np.float32(1.0), np.int64(2), torch.Size([1]), helpers.Color.BLUE]
     out = todevice.move(tree, "meta", strict=True)
@@ -668,8 +668,50 @@ def test_unavailable_device() -> None:
         todevice.move(torch.ones(1), "cuda:1")
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="needs a machine without an accelerator")
+@pytest.mark.skipif(_stream.accelerator() is not None, reason="needs a machine without an accelerator")
 def test_integer_device_without_accelerator() -> None:
+    with pytest.raises(ValueError, match="an integer names an accelerator, and this machine has none"):
+        todevice.move(torch.ones(1), 0)
+
+
+def test_before_torch_2_8_the_accelerator_is_asked_through_its_own_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Any] = []
+
+    class FakeCuda:  # what _stream asks of torch.cuda where torch.accelerator lacks device_index
+        __name__ = "torch.cuda"
+        is_available = staticmethod(lambda: True)
+        device_count = staticmethod(lambda: 2)
+        current_device = staticmethod(lambda: 1)
+        set_device = staticmethod(lambda i: calls.append(("set_device", i)))
+        device = staticmethod(lambda i: ("device", i))
+        current_stream = staticmethod(lambda d=None: Stream(d))
+        set_stream = staticmethod(lambda st: calls.append(("set_stream", st)))
+
+    class Stream:
+        def __init__(self, device: Any) -> None:
+            self.device = device
+
+        def synchronize(self) -> None:
+            calls.append(("synchronize", self.device))
+
+    backend = _stream._Backend()
+    monkeypatch.setattr(_stream, "accel", backend)
+    monkeypatch.setattr(torch, "cuda", FakeCuda())
+    assert _stream.accelerator() == torch.device("cuda")
+    assert _stream.available_devices() == ["cpu", "cuda:0", "cuda:1", "meta"]
+    assert _stream.current_index() == 1
+    _stream.set_index(0)
+    assert _stream.on_device(torch.device("cuda", 0)) == ("device", 0)
+    backend.set_stream("s")
+    _stream.synchronize(torch.device("cuda", 1))
+    assert calls == [("set_device", 0), ("set_stream", "s"), ("synchronize", torch.device("cuda", 1))]
+
+
+def test_before_torch_2_8_a_host_only_machine_has_no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_stream, "accel", _stream._Backend())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _stream.accelerator() is None
+    assert todevice.move({"x": torch.ones(2)}, "cpu")["x"].device == torch.device("cpu")
     with pytest.raises(ValueError, match="an integer names an accelerator, and this machine has none"):
         todevice.move(torch.ones(1), 0)
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import todevice
 from tests import helpers, strategies
-from todevice import _back, _move
+from todevice import _back, _move, _traced
 from todevice._options import COALESCE_MAX_BYTES
 
 pytestmark = pytest.mark.filterwarnings("ignore:Casting complex values to real discards:UserWarning")
@@ -214,7 +214,10 @@ def test_a_bad_option_gives_eager_s_error_compiled_and_everywhere(options: dict[
         assert _raised(torch.compile(step, backend="eager"), options) == eager
         torch._dynamo.reset()
         _, text = _raised(torch.compile(step, backend="eager", fullgraph=True), options)
-    assert eager[1].split(":")[0] in text  # fullgraph=True raises dynamo's error, eager's message inside
+    if _traced.TRACES:
+        assert eager[1].split(":")[0] in text  # fullgraph=True raises dynamo's error, eager's message inside
+    else:  # before torch 2.11, move() runs outside the graph, which fullgraph=True refuses, naming the release
+        assert "traces from torch 2.11" in text
     into = dict(options, out={"x": torch.ones(2, device="meta")})
     assert _raised(todevice.move, into) == eager  # out= checks its options by the same rule
     if set(options) <= {"device", "non_blocking", "skip_keys"}:

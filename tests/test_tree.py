@@ -267,6 +267,7 @@ def test_todevice_registration_wins_over_torch_pytree(pytree_ctx: type) -> None:
         todevice.unregister(Ctx)
 
 
+@helpers.traces
 def test_torch_pytree_registered_type_traces_under_fullgraph(pytree_ctx: type) -> None:
     fn = torch.compile(lambda b: todevice.move(b, "meta"), backend="eager", fullgraph=True)
     out = fn({"c": Ctx(torch.ones(1), [torch.zeros(2)], "kept")})
@@ -327,7 +328,8 @@ class _LateMapping(collections.abc.Mapping):  # type: ignore[type-arg]
 
 def _with_torch_pytree(cls: type) -> Any:
     _pytree.register_pytree_node(cls, lambda o: ([o.x], None), lambda ch, ctx: cls(ch[0]))
-    return lambda: _pytree._deregister_pytree_node(cls)
+    # torch 2.4 has no _deregister_pytree_node: the entry it made is taken out by hand.
+    return lambda: getattr(_pytree, "_deregister_pytree_node", _pytree.SUPPORTED_NODES.pop)(cls)
 
 
 def _with_optree(cls: type) -> Any:

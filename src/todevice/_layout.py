@@ -137,10 +137,17 @@ def _templates(group: Ragged) -> list[torch.Tensor]:
     return out
 
 
+# Whether unflatten_dense_tensors gives an empty tensor its template's shape: torch 2.8 and older give (0,) whatever
+# the template, so a (0, 4) tensor came back as (0,). Asked of torch once, here.
+_EMPTY_KEEPS_SHAPE = torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch.empty(0, 2)])[0].shape == (0, 2)
+
+
 def _cut(region: torch.Tensor, group: Ragged) -> list[torch.Tensor]:
     """A ragged region's tensors, as views, without their padding: one C++ loop."""
-    pieces: list[torch.Tensor] = torch._C._nn.unflatten_dense_tensors(region, _templates(group))
-    return pieces[::2]
+    pieces: list[torch.Tensor] = torch._C._nn.unflatten_dense_tensors(region, _templates(group))[::2]
+    if not _EMPTY_KEEPS_SHAPE:  # an empty tensor of two or more dimensions came back (0,)
+        return [p if p.shape == shape else region[:0].view(shape) for p, shape in zip(pieces, group.shapes)]
+    return pieces
 
 
 @functools.lru_cache(maxsize=1024)

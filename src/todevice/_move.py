@@ -497,8 +497,8 @@ def move(
         into = torch.compiler.disable(_into_static) if _compiling() else _into_static  # type: ignore[no-untyped-call]
         opts = (non_blocking, dtype, coalesce, coalesce_max_bytes, stream, strict, skip_keys)
         return into(obj, out, device, *opts)  # type: ignore[no-any-return]
-    if _compiling():  # 2. under torch.compile: one traced copy per tensor
-        return _traced.compiled(  # type: ignore[no-any-return]
+    if _compiling():  # 2. under torch.compile: one traced copy per tensor (before torch 2.11, this move untraced)
+        return (_traced.compiled if _traced.TRACES else _untraced)(  # type: ignore[no-any-return]
             obj, device, non_blocking=non_blocking, dtype=dtype, coalesce=coalesce, stream=stream,
             coalesce_max_bytes=coalesce_max_bytes, strict=strict, skip_keys=skip_keys,
         )  # fmt: skip
@@ -531,6 +531,9 @@ def move(
         if walk is None
         else _host(obj, p, walk, coalesce is not False, coalesce_max_bytes)
     )
+
+
+_untraced = _traced.untraced(move, "todevice.move()")
 
 
 def _into_static(

@@ -53,7 +53,9 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.
     """
     if max_bytes is not None:
         _options.check_max_bytes(max_bytes, "pack with max_bytes")
-    if _traced.compiling():  # nothing packed, every tensor loose: see _traced.unpack
+    if _traced.compiling():  # nothing packed, every tensor loose: see _traced.unpack (before torch 2.11, untraced)
+        if not _traced.TRACES:
+            return _untraced_pack(obj, shared=shared, max_bytes=max_bytes)  # type: ignore[no-any-return]
         return PackedBatch(torch.empty(0, dtype=torch.uint8), _traced.NOTHING_PACKED, obj, (), loose=1)
     try:
         taken = _layout.take(obj, max_bytes, None, grad=True)
@@ -241,11 +243,17 @@ class PackedBatch:
         Returns:
             A structure equal to the one that was packed.
         """
-        if _traced.compiling():  # per-leaf copies, which the compiler schedules
+        if _traced.compiling():  # per-leaf copies, which the compiler schedules (before torch 2.11, untraced)
+            if not _traced.TRACES:
+                return _untraced_unpack(self, device, non_blocking=non_blocking)
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
         # move(batch, device, coalesce=False), without walking to the batch.
         s = _move.State(_move.plan_for("cpu" if device is None else device, non_blocking, None))
         return s.finish(_move._walked(self, s, self))
+
+
+_untraced_pack = _traced.untraced(pack, "todevice.pack()")
+_untraced_unpack = _traced.untraced(PackedBatch.unpack, "PackedBatch.unpack()")
 
 
 def _unpack_first(packed: PackedBatch) -> str:

@@ -21,9 +21,53 @@ def _backend(device_type: str) -> types.ModuleType | None:
     return mod if isinstance(mod, types.ModuleType) else None
 
 
+class _Backend:
+    """The calls of ``torch.accelerator`` that todevice makes, for torch before 2.8 (``torch.accelerator`` came in 2.6,
+    ``device_index`` in 2.8): made on ``torch.cuda``, else ``torch.xpu``, whichever is available."""
+
+    @staticmethod
+    def _module() -> Any:
+        for name in ("cuda", "xpu"):
+            mod = getattr(torch, name, None)
+            if mod is not None and mod.is_available():
+                return mod
+        return None
+
+    def is_available(self) -> bool:
+        return self._module() is not None
+
+    def current_accelerator(self) -> torch.device:
+        return torch.device(self._module().__name__.rpartition(".")[2])
+
+    def device_count(self) -> int:
+        return self._module().device_count()  # type: ignore[no-any-return]
+
+    def current_device_index(self) -> int:
+        return self._module().current_device()  # type: ignore[no-any-return]
+
+    def set_device_index(self, index: int) -> None:
+        self._module().set_device(index)
+
+    def device_index(self, index: int) -> Any:
+        return self._module().device(index)
+
+    def current_stream(self, device: torch.device | None = None) -> Any:
+        return self._module().current_stream(device)
+
+    def set_stream(self, stream: Any) -> None:
+        self._module().set_stream(stream)
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        self._module().synchronize(device)
+
+
+# torch.accelerator where it has every call todevice makes (torch 2.8 and later), else the same calls on the backend.
+accel: Any = torch.accelerator if hasattr(getattr(torch, "accelerator", None), "device_index") else _Backend()
+
+
 def accelerator() -> torch.device | None:
     """The current accelerator (cuda, xpu, mps, a PrivateUse1 backend), or None on a host-only machine."""
-    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accel.current_accelerator() if accel.is_available() else None
 
 
 def available_devices() -> list[str]:
@@ -31,7 +75,7 @@ def available_devices() -> list[str]:
     found = ["cpu", "meta"]
     acc = accelerator()
     if acc is not None:
-        count = torch.accelerator.device_count()
+        count = accel.device_count()
         found[1:1] = [f"{acc.type}:{i}" for i in range(count)]
     return found
 
@@ -84,12 +128,12 @@ def _device_arg(device: object, verb: str = "move to") -> torch.device:
 
 def current_index() -> int:
     """The current accelerator device's index."""
-    return torch.accelerator.current_device_index()
+    return accel.current_device_index()  # type: ignore[no-any-return]
 
 
 def set_index(index: int) -> None:
     """Make device ``index`` of the accelerator current."""
-    torch.accelerator.set_device_index(index)
+    accel.set_device_index(index)
 
 
 def resolve_device(device: DeviceLike, verb: str = "move to", current: bool = True) -> torch.device:
@@ -116,7 +160,7 @@ def means_current(dev: torch.device) -> bool:
 def synchronize(device: torch.device) -> None:
     """Wait until the work queued on ``device``'s current stream has finished."""
     if is_accelerator(device):
-        torch.accelerator.current_stream(device).synchronize()
+        accel.current_stream(device).synchronize()
         return
     mod = _backend(device.type)
     sync = getattr(mod, "synchronize", None)
@@ -138,7 +182,7 @@ def devices_in_use() -> list[torch.device]:
         return []
     has_context = getattr(torch._C, f"_{acc.type}_hasPrimaryContext", None)
     if callable(has_context):
-        return [torch.device(acc.type, i) for i in range(torch.accelerator.device_count()) if has_context(i)]
+        return [torch.device(acc.type, i) for i in range(accel.device_count()) if has_context(i)]
     return [torch.device(acc.type, current_index())]
 
 
@@ -150,7 +194,7 @@ def on_device(device: torch.device) -> Any:
     """
     if device.index is None or not is_accelerator(device) or device.index == current_index():
         return contextlib.nullcontext()
-    return torch.accelerator.device_index(device.index)
+    return accel.device_index(device.index)
 
 
 def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -180,7 +224,7 @@ def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def set_stream(stream: torch.Stream) -> None:
-    torch.accelerator.set_stream(stream)
+    accel.set_stream(stream)
 
 
 class Entered(NamedTuple):
@@ -218,14 +262,14 @@ def enter_stream(stream: torch.Stream, device: torch.device) -> Entered:
         )
         raise ValueError(msg)
     index = current_index() if is_accelerator(stream.device) else None
-    user = torch.accelerator.current_stream(stream.device)
-    torch.accelerator.set_stream(stream)  # also makes the stream's device current
+    user = accel.current_stream(stream.device)
+    accel.set_stream(stream)  # also makes the stream's device current
     return Entered(user, index)
 
 
 def leave_stream(entered: Entered) -> None:
     """Undo :func:`enter_stream`: the user's stream, and the device that was current, are current again."""
-    torch.accelerator.set_stream(entered.user)
+    accel.set_stream(entered.user)
     if entered.device_index is not None and current_index() != entered.device_index:
         set_index(entered.device_index)
 
@@ -261,6 +305,6 @@ def record_event(stream: torch.Stream, device: torch.device) -> torch.Event:
 
 def receive(copied: torch.Event, outputs: list[torch.Tensor], device: torch.device) -> None:
     """Make tensors copied on a side stream safe on the current stream, when they are about to be used."""
-    user = torch.accelerator.current_stream(device)
+    user = accel.current_stream(device)
     user.wait_event(copied)
     _record(outputs, user)

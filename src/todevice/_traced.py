@@ -47,12 +47,58 @@ from todevice import _layout, _options, _stream, _tree, _walk
 # dataclass is rebuilt from its fields, and what needs the list breaks the graph with a message.
 LISTS_ATTRIBUTES = torch.__version__ >= "2.12"
 
+
 # Truthy while a torch.compile'd function runs: the callback dynamo hands each new frame to (None
 # outside, False where compiled code is only replayed). A frame dynamo gives up on runs as plain
 # Python with it still set, and each call that frame makes is compiled on its own: the eager move's
 # host-side steps fail that way (a pinned result, a fallback in an ``except`` that dynamo does not
 # take), so a move made there takes this walk too.
-_eval_frame_callback: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", lambda: None)
+def _peeked_callback() -> Any:
+    """The callback, read where torch has no getter for it (before 2.5 or so): set to None, and set back at once."""
+    callback = torch._C._dynamo.eval_frame.set_eval_frame(None)
+    torch._C._dynamo.eval_frame.set_eval_frame(callback)
+    return callback
+
+
+_eval_frame_callback: Callable[[], Any] = getattr(
+    torch._C._dynamo.eval_frame, "get_eval_frame_callback", _peeked_callback
+)
+if _eval_frame_callback is _peeked_callback and hasattr(torch._C._dynamo.eval_frame, "skip_code"):
+    torch._C._dynamo.eval_frame.skip_code(_peeked_callback.__code__)  # never a frame dynamo compiles on its own
+
+# Whether dynamo traces this walk: from torch 2.11. Before, it crashes on it (2.8 cannot trace
+# ``frozenset.__contains__``) or gives a wrong result (2.10 hands back a frozenset of tensors empty). There move(),
+# pack() and unpack() run as plain Python behind a graph break (``untraced``).
+TRACES = torch.__version__ >= "2.11"
+
+
+def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` run as plain Python where torch.compile meets it, for torch before 2.11: a graph break, and under
+    fullgraph=True dynamo's error, which names the function by the name given here, and says so. From torch 2.11,
+    ``fn`` itself, never called so.
+
+    What ``torch.compiler.disable`` makes, without importing dynamo (a second's import, for every DataLoader worker):
+    dynamo breaks the graph at a function marked ``_torchdynamo_disable``, and the function turns dynamo off while it
+    runs.
+    """
+    if TRACES:
+        return fn
+    eval_frame = torch._C._dynamo.eval_frame
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        callback = eval_frame.set_eval_frame(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            eval_frame.set_eval_frame(callback)
+
+    run.__name__ = run.__qualname__ = (
+        f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
+    )
+    run._torchdynamo_disable = True  # type: ignore[attr-defined]
+    if hasattr(eval_frame, "skip_code"):
+        eval_frame.skip_code(run.__code__)  # never a frame dynamo compiles on its own
+    return run
 
 
 def compiling() -> Any:

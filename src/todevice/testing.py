@@ -53,7 +53,7 @@ except ImportError as err:  # pragma: no cover - exercised by removing hypothesi
     raise ImportError(_msg, name="hypothesis") from err
 
 import todevice
-from todevice import _options, _tree
+from todevice import _options, _stream, _tree
 
 # The functional names. The classes that batches() makes (Pair, Record, TaggedDict, ...) stay importable by name,
 # to rebuild an example a failure printed, but are not exported.
@@ -642,7 +642,7 @@ def _describe(x: Any) -> str:
 
 def _target(device: Any) -> torch.device:
     if isinstance(device, int) and not isinstance(device, bool):
-        accelerator = torch.accelerator.current_accelerator()
+        accelerator = _stream.accelerator()
         if accelerator is None:
             msg = f"Cannot read device {device!r}: an int is an accelerator's index, and there is no accelerator here."
             raise ValueError(msg)

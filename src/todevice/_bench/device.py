@@ -58,7 +58,7 @@ def _device_contenders(leaves: list[torch.Tensor], dev: torch.device) -> dict[st
 
 def _synced(fn: Callable[[], Any]) -> None:
     fn()
-    torch.accelerator.synchronize()
+    _stream.accel.synchronize()
 
 
 def _timed(
@@ -69,9 +69,9 @@ def _timed(
     timed = {name: functools.partial(_synced, fn) for name, fn in funcs.items()} if end_to_end else funcs
     for fn in timed.values():
         fn()  # warm-up: allocator, pinned staging, plan
-    torch.accelerator.synchronize()
+    _stream.accel.synchronize()
     samples = interleaved(timed, rounds, random.Random(0), setup)
-    torch.accelerator.synchronize()
+    _stream.accel.synchronize()
     return {name: statistics.median(t) for name, t in samples.items()}
 
 
@@ -179,7 +179,7 @@ def placed(tree: Any, memory: str, dev: torch.device) -> Any:
         return optree.tree_map(lambda t: t.pin_memory(), tree, namespace="")
     if memory == "on the device":
         out = recursive_to_device(tree, dev)
-        torch.accelerator.synchronize()
+        _stream.accel.synchronize()
         return out
     return tree
 
@@ -207,7 +207,7 @@ def size_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
             }
             many = 3 if name.startswith("1,000") or name.startswith("(images") else 1
             e2e = _timed(funcs, max(3, rounds // many))
-            hosted = _timed(funcs, max(3, rounds // many), setup=torch.accelerator.synchronize, end_to_end=False)
+            hosted = _timed(funcs, max(3, rounds // many), setup=_stream.accel.synchronize, end_to_end=False)
             for cname in funcs:
                 rows.append(
                     {
@@ -388,9 +388,9 @@ def _timm_style(batches: Any, dev: torch.device) -> Any:
             moved = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
         if ready is not None:
             yield ready
-        torch.accelerator.current_stream(dev).wait_stream(side)
+        _stream.accel.current_stream(dev).wait_stream(side)
         for v in moved.values():
-            v.record_stream(torch.accelerator.current_stream(dev))
+            v.record_stream(_stream.accel.current_stream(dev))
         ready = moved
     if ready is not None:
         yield ready
@@ -504,7 +504,7 @@ def static_rows(rounds: int = 50) -> list[dict[str, Any]] | str:
     fresh = [_inputs()]
 
     def next_step() -> None:
-        torch.accelerator.synchronize()  # untimed: the last step's copies land, so no queue builds up
+        _stream.accel.synchronize()  # untimed: the last step's copies land, so no queue builds up
         fresh[0] = _inputs()
 
     contenders: dict[str, Callable[[], Any]] = {
