@@ -60,3 +60,17 @@ def test_readme_anchors_name_its_own_sections() -> None:
     sections = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
     for anchor in re.findall(r"\]\(#([^)]+)\)", text):
         assert anchor in sections, f"README.md links #{anchor}, which is no section"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_the_dataloader_recipe_runs_as_written(doc: Path, tmp_path: Path) -> None:
+    """The recipe with collate() and prefetch(), pasted into a file and run: real workers, a real DataLoader."""
+    import subprocess
+    import sys
+
+    (recipe,) = [b for b in code_blocks(doc.read_text()) if "DataLoader workers re-import this file" in b]
+    script = tmp_path / "recipe.py"
+    script.write_text(recipe + "    print(type(loss).__name__, loss.dim())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "Tensor 0"

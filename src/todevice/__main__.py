@@ -103,6 +103,44 @@ def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, An
     return 0 if _bench.write_json(json_path, result, env) else 1
 
 
+def _callable(text: str) -> Any:
+    """An argparse ``type=``: ``MODULE:CALLABLE``, imported (the current directory is on the path)."""
+    import importlib
+
+    module, sep, name = text.partition(":")
+    if not sep or not module or not name:
+        msg = f"expected MODULE:CALLABLE, such as my_batches:make_batch; got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as err:
+        raise argparse.ArgumentTypeError(f"cannot load {text!r}: {err}") from err
+    if not callable(found):
+        raise argparse.ArgumentTypeError(f"{text!r} is a {type(found).__qualname__}, not a callable")
+    return found
+
+
+def your_bench(make: Any, helper: Any, device: str | None, rounds: int, json_path: str | None, env: Any) -> int:
+    """``bench --batch``: move() on the user's batch against their helper (or the hand-written one) and the peers."""
+    import dataclasses
+
+    from todevice._bench import yours
+
+    batch = make()
+    name = f"{make.__module__}.{make.__qualname__}()"
+    try:
+        report = yours.bench(batch, device, helper=helper, rounds=rounds, name=name)
+    except (TypeError, ValueError) as err:
+        print(f"python -m todevice bench: {err}", file=sys.stderr)
+        return 2
+    print(report, flush=True)
+    return 0 if _bench.write_json(json_path, {"yours": dataclasses.asdict(report)}, env) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m todevice", description=todevice.__doc__)
     parser.add_argument("--version", action="version", version=f"todevice {todevice.__version__}")
@@ -125,6 +163,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"device to host, into static buffers) over at most {DEVICE_ROUNDS} rounds, then tests/test_accelerator.py "
         "when run from a checkout; not with --batches, which is for the DataLoader table",
     )
+    bench_parser.add_argument(
+        "--batch",
+        type=_callable,
+        default=None,
+        metavar="MODULE:CALLABLE",
+        help="time your own batch: a function of no arguments that returns one batch as your loop gets it; "
+        "move() against --helper (or a hand-written helper) and the peers, to --device (the accelerator, else cpu)",
+    )
+    bench_parser.add_argument(
+        "--helper",
+        type=_callable,
+        default=None,
+        metavar="MODULE:CALLABLE",
+        help="with --batch: your own helper, called as helper(batch, device); checked against move() first",
+    )
     given = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(given)
     if args.command is None:
@@ -132,6 +185,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         info()
         return 0
+    if args.helper is not None and args.batch is None:
+        bench_parser.error("argument --helper: only with --batch, which names the batch to time it on")
+    if args.batch is not None:
+        if args.batches is not None:
+            bench_parser.error("argument --batches: not with --batch, which times your batch, not the DataLoader")
+        rounds = DEFAULTS["rounds"] if args.rounds is None else args.rounds
+        env = _bench.environment(
+            given, {k: v for k, v in vars(args).items() if k not in ("command", "batch", "helper")}
+        )
+        return your_bench(args.batch, args.helper, args.device, rounds, args.json, env)
     if args.device is not None and args.batches is not None:
         bench_parser.error(
             "argument --batches: not with --device, whose tables have no DataLoader; drop --batches, "

@@ -1,0 +1,251 @@
+"""Your batch and your helper: is move() faster than what your loop does now, on your machine?
+
+Each contender's result is checked against move()'s first, and one that differs is reported, not timed: a fast
+wrong helper is no benchmark. The rest are timed round by round, in a new order each round, on the batch as the loop
+gets it; where it holds host tensors and the target is an accelerator, also pinned, and already on the device. Each
+ratio is the median over the rounds of the helper's time over the contender's, with the middle half of them: a
+ratio whose middle half holds 1.0x is no measurable difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import random
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import todevice
+from todevice import _inspect, _stream, _tree, _walk
+from todevice._bench.common import HELPER, PEERS, recursive_to_device
+
+Mover = Callable[[Any, torch.device], Any]
+MOVE = "todevice.move"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One contender on one form of the batch: medians per call, and its ratio to the helper over the rounds."""
+
+    form: str  # "pageable", "pinned", "already on cuda:0", or "as given" where the target is not an accelerator
+    contender: str
+    host_us: float  # until the call returned
+    end_to_end_us: float  # until its copies had finished
+    speedup: float  # the helper's end-to-end time over this contender's: the median of the per-round ratios
+    low: float  # the middle half of those ratios: the 25th percentile ...
+    high: float  # ... to the 75th
+
+    @property
+    def verdict(self) -> str:
+        """ "faster" or "slower" than the helper, or "no measurable difference" where the middle half holds 1.0x."""
+        if self.low > 1.0:
+            return "faster"
+        if self.high < 1.0:
+            return "slower"
+        return "no measurable difference"
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`todevice.bench` found. ``str(report)`` reads as a summary; ``dataclasses.asdict`` gives the data."""
+
+    batch: str  # what the batch is: its name where known, its type, its tensors and bytes
+    device: str
+    helper: str  # what the ratios are to: the helper, or move() where the helper's result differs from move()'s
+    rounds: int
+    rows: tuple[Row, ...]
+    wrong: Mapping[str, str]  # contender -> how its result differs from move()'s; not timed
+    not_installed: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = [f"{self.batch}, moved to {self.device}: {self.rounds} rounds, the order shuffled every round.", ""]
+        if self.helper == MOVE:
+            lines.append(
+                "The helper was not timed, since its result differs from move()'s (below): ratios are to move()."
+            )
+        else:
+            lines.append(f"move() against {self.helper}, end to end (median, and the middle half of the rounds):")
+        for row in self.rows:
+            if row.contender == MOVE and self.helper != MOVE:
+                lines.append(f"  {row.form + ':':22} {_said(row)}")
+        if any(r.contender == MOVE and r.verdict == "slower" for r in self.rows):
+            lines.append(
+                "  Where move() is slower, it still keeps what the helper may not: every container type, tensors "
+                "that share memory sharing it, and the batch unchanged."
+            )
+        lines += ["", *_COLUMNS, "", _table(self.rows)]
+        for name, why in self.wrong.items():
+            lines.append(f"Not timed, since its result differs from move()'s: {name}: {why}")
+        if self.not_installed:
+            lines.append(f"Not installed, so not timed: {', '.join(self.not_installed)}.")
+        return "\n".join(lines)
+
+
+_COLUMNS = (
+    "host us: the time until the call returns, per call (median over the rounds).",
+    "end-to-end us: the time until its copies have finished, per call.",
+    "vs helper: the helper's end-to-end time over this one's, the median of the rounds; above 1.0x is faster.",
+    "middle half: the 25th to the 75th percentile of that ratio over the rounds.",
+)
+
+
+def _said(row: Row) -> str:
+    spread = f"({row.low:.2f}x to {row.high:.2f}x)"
+    if row.verdict == "faster":
+        return f"{row.speedup:.2f}x faster {spread}"
+    if row.verdict == "slower":
+        return f"{1 / row.speedup:.2f}x slower, taking {1 / row.speedup:.2f}x the helper's time {spread}"
+    return f"no measurable difference {spread}"
+
+
+def _table(rows: tuple[Row, ...]) -> str:
+    head = "| batch | contender | host us | end-to-end us | vs helper | middle half | verdict |"
+    lines = [head, "|---|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        cells = [r.form, r.contender, f"{r.host_us:,.1f}", f"{r.end_to_end_us:,.1f}", f"{r.speedup:.2f}x"]
+        lines.append("| " + " | ".join([*cells, f"{r.low:.2f}x to {r.high:.2f}x", r.verdict]) + " |")
+    return "\n".join(lines)
+
+
+def difference(want: Any, got: Any) -> str | None:
+    """Where ``got`` differs from ``want`` (move()'s result): the first path whose type, tensor device, dtype, shape or
+    values differ, or whose other value is not equal; None where they agree."""
+    nodes = list(_walk.paths(want, revisit=True)), list(_walk.paths(got, revisit=True))
+    for (path, a), (other, b) in zip(*nodes):
+        where = path or "the batch"
+        if path != other:
+            return f"{other or 'the batch'} where move() gives {where}"
+        if type(a) is not type(b):
+            return f"{where} is a {type(b).__qualname__} where move() gives a {type(a).__qualname__}"
+        if not isinstance(a, torch.Tensor) and _tree.kind_of(type(a)).code == _tree.ATOM and not _equal(a, b):
+            return f"{where} is {b!r} where move() gives {a!r}"
+    if len(nodes[0]) != len(nodes[1]):
+        return f"it holds {len(nodes[1])} values where move()'s result holds {len(nodes[0])}"
+    tensors = list(_inspect._tensors(want)), list(_inspect._tensors(got))
+    for (path, a), (_, b) in zip(*tensors):
+        where = path or "the batch"
+        if (a.device, a.dtype, a.shape) != (b.device, b.dtype, b.shape):
+            return f"{where} is {_described(b)} where move() gives {_described(a)}"
+        if a.device.type != "meta" and not torch.equal(a, b):
+            return f"{where} holds other values than move() gives"
+    if len(tensors[0]) != len(tensors[1]):
+        return f"it holds {len(tensors[1])} tensors where move()'s result holds {len(tensors[0])}"
+    return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an object whose == raises or is ambiguous: only itself will do
+        return False
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def _pinned(x: Any) -> Any:
+    """``x`` with each host tensor in its containers pinned, for the pinned form of the batch."""
+    if isinstance(x, torch.Tensor):
+        return x.pin_memory() if x.is_cpu else x
+    kind = _tree.kind_of(type(x))
+    if kind.code != _tree.NODE:
+        return x
+    children, aux = kind.flatten(x)  # type: ignore[misc]
+    return kind.unflatten(aux, [_pinned(c) for c in children])  # type: ignore[misc]
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _contenders(helper: Mover | None) -> tuple[dict[str, Mover], str, tuple[str, ...]]:
+    """move(), the helper (the user's, or the hand-written one), and the peers that are installed."""
+    helper_name = f"your helper ({_name(helper)})" if helper is not None else HELPER
+    found: dict[str, Mover] = {MOVE: todevice.move, helper_name: helper or recursive_to_device}
+    missing = []
+    for name, (module, function, package) in PEERS.items():
+        try:
+            found[name] = getattr(importlib.import_module(module), function)
+        except ImportError:
+            missing.append(f"{name} (pip install {package})")
+    return found, helper_name, tuple(missing)
+
+
+def _forms(batch: Any, dev: torch.device) -> dict[str, Any]:
+    """The forms of the batch to time: as given, pinned and already on the device where that differs."""
+    host = any(t.is_cpu for _, t in _inspect._tensors(batch))
+    if not _stream.is_accelerator(dev) or not host:
+        return {"as given": batch}
+    return {"pageable": batch, "pinned": _pinned(batch), f"already on {dev}": todevice.move(batch, dev)}
+
+
+def _timed(fn: Mover, batch: Any, dev: torch.device, calls: int, sync: Callable[[], None]) -> tuple[float, float]:
+    """Seconds per call until ``calls`` calls returned, and until their copies finished."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(batch, dev)
+    returned = time.perf_counter()
+    sync()
+    return (returned - start) / calls, (time.perf_counter() - start) / calls
+
+
+def bench(
+    batch: Any, device: Any = None, *, helper: Mover | None = None, rounds: int = 30, name: str | None = None
+) -> Report:
+    """Time :func:`todevice.move` on ``batch`` against ``helper`` and the peers installed, on this machine.
+
+    Args:
+        batch: One batch as the training loop gets it.
+        device: Where it goes; by default the current accelerator, else the CPU.
+        helper: Your own ``recursive_to_device(batch, device)``; by default a hand-written one that moves
+            tensors, lists and dicts.
+        rounds: Timing rounds; each times every contender on every form of the batch once, in a new order.
+        name: What to call the batch in the report.
+
+    Returns:
+        A :class:`Report`: ``print()`` it, or read its rows.
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 3:
+        msg = f"Cannot time {rounds!r} rounds: rounds takes an int of at least 3, for a median and a spread."
+        raise ValueError(msg)
+    acc = _stream.accelerator()
+    dev = _stream.resolve_device(device if device is not None else acc or "cpu")
+    sync = (lambda: _stream.synchronize(dev)) if _stream.is_accelerator(dev) else (lambda: None)
+    found, helper_name, missing = _contenders(helper)
+    want = todevice.move(batch, dev)
+    wrong: dict[str, str] = {}
+    for cname, fn in list(found.items())[1:]:
+        try:
+            why = difference(want, fn(batch, dev))
+        except Exception as err:
+            why = f"it raised {type(err).__name__}: {err}"
+        if why is not None:
+            wrong[cname] = why
+            del found[cname]
+    yardstick = helper_name if helper_name in found else MOVE  # a wrong helper is no yardstick: then move() is
+    rng = random.Random(0)
+    rows = []
+    for form, variant in _forms(batch, dev).items():
+        calls = max(1, min(1000, int(50e-6 / max(_timed(todevice.move, variant, dev, 1, sync)[1], 1e-9))))
+        samples: dict[str, list[tuple[float, float]]] = {c: [] for c in found}
+        for _ in range(rounds):
+            order = list(found)
+            rng.shuffle(order)
+            for cname in order:
+                samples[cname].append(_timed(found[cname], variant, dev, calls, sync))
+        base = [e2e for _, e2e in samples[yardstick]]
+        for cname, got in samples.items():
+            ratios = [b / e2e for b, (_, e2e) in zip(base, got)]
+            q = statistics.quantiles(ratios, n=4, method="inclusive")
+            host, e2e = (statistics.median(x) * 1e6 for x in zip(*got))
+            rows.append(Row(form, cname, host, e2e, statistics.median(ratios), q[0], q[2]))
+    tensors = list(_inspect._tensors(batch))
+    size = sum(t.nbytes for _, t in tensors if t.layout == torch.strided)
+    what = f"{name or 'your batch'} ({type(batch).__qualname__}, {len(tensors)} tensors, {size:,} bytes)"
+    return Report(what, str(dev), yardstick, rounds, tuple(rows), wrong, missing)

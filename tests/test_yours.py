@@ -1,0 +1,158 @@
+"""todevice.bench and ``python -m todevice bench --batch``: the user's batch and helper, checked, then timed."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import todevice
+from todevice._bench import yours
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: torch.Tensor
+
+
+def make_batch() -> dict[str, Any]:
+    return {"sample": Sample(torch.randn(4, 3), torch.arange(4)), "ids": [torch.ones(2), "x"]}
+
+
+def right(batch: Any, device: Any) -> Any:
+    s = batch["sample"]
+    return {"sample": Sample(s.image.to(device), s.label.to(device)), "ids": [batch["ids"][0].to(device), "x"]}
+
+
+def drops_the_dataclass(batch: Any, device: Any) -> Any:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def test_a_helper_that_gives_move_s_result_is_timed_against_move() -> None:
+    report = todevice.bench(make_batch(), "meta", helper=right, rounds=3, name="make_batch()")
+    assert report.helper.startswith("your helper (") and "right" in report.helper
+    assert report.helper not in report.wrong
+    timed = {row.contender for row in report.rows}
+    assert {"todevice.move", report.helper} <= timed
+    helper_row = next(row for row in report.rows if row.contender == report.helper)
+    assert helper_row.speedup == helper_row.low == helper_row.high == 1.0  # the yardstick against itself
+    assert all(row.host_us > 0 and row.end_to_end_us >= row.host_us for row in report.rows)
+    text = str(report)
+    assert text.startswith("make_batch() (dict, 3 tensors, ") and "moved to meta" in text
+    assert "move() against your helper" in text
+
+
+def test_a_helper_whose_result_differs_is_reported_and_not_timed() -> None:
+    report = todevice.bench(make_batch(), "meta", helper=drops_the_dataclass, rounds=3)
+    (name,) = [n for n in report.wrong if "drops_the_dataclass" in n]
+    assert report.wrong[name].startswith("['sample'].image is a torch.float32 tensor of shape (4, 3) on cpu")
+    assert name not in {row.contender for row in report.rows}
+    assert report.helper == "todevice.move"  # the ratios are to move() then
+    assert "The helper was not timed" in str(report) and f"differs from move()'s: {name}" in str(report)
+
+
+def test_a_helper_that_raises_is_reported_with_its_error() -> None:
+    def broken(batch: Any, device: Any) -> Any:
+        raise RuntimeError("no such device")
+
+    report = todevice.bench(make_batch(), "meta", helper=broken, rounds=3)
+    assert any(why == "it raised RuntimeError: no such device" for why in report.wrong.values())
+
+
+def _fixed(image: torch.Tensor | None = None, sample: Any = Sample, ids: Any = ("x",)) -> dict[str, Any]:
+    image = torch.arange(12.0).reshape(4, 3) if image is None else image
+    return {"sample": sample(image, torch.arange(4)), "ids": [torch.ones(2), *ids]}
+
+
+@pytest.mark.parametrize(
+    ("got", "says"),
+    [
+        (_fixed(torch.zeros(4, 3)), "['sample'].image holds other values than move() gives"),
+        (_fixed(sample=lambda *a: tuple(a)), "['sample'] is a tuple where move() gives a Sample"),
+        (_fixed(ids=("y",)), "['ids'][1] is 'y' where move() gives 'x'"),
+        (_fixed(torch.arange(12.0).reshape(4, 3).double()), "['sample'].image is a torch.float64 tensor"),
+        (_fixed(ids=()), "holds"),
+    ],
+    ids=["values", "container", "atom", "dtype", "missing"],
+)
+def test_difference_names_the_first_path_that_differs(got: Any, says: str) -> None:
+    want = _fixed()
+    assert yours.difference(want, _fixed()) is None
+    why = yours.difference(want, got)
+    assert why is not None and says in why
+
+
+@pytest.mark.parametrize(("low", "high", "verdict"), [(1.1, 1.3, "faster"), (0.7, 0.9, "slower"), (0.9, 1.1, None)])
+def test_a_spread_that_holds_one_is_no_measurable_difference(low: float, high: float, verdict: str | None) -> None:
+    row = yours.Row("as given", "todevice.move", 1.0, 1.0, (low + high) / 2, low, high)
+    assert row.verdict == (verdict or "no measurable difference")
+
+
+def test_fewer_than_three_rounds_is_refused() -> None:
+    with pytest.raises(ValueError, match="rounds takes an int of at least 3"):
+        todevice.bench(make_batch(), "meta", rounds=2)
+
+
+MODULE = """
+    import dataclasses
+    import torch
+
+    @dataclasses.dataclass
+    class Sample:
+        image: torch.Tensor
+        label: torch.Tensor
+
+    def make_batch():
+        return {"sample": Sample(torch.randn(4, 3), torch.arange(4)), "ids": [torch.ones(2), "x"]}
+
+    def to_device(batch, device):
+        s = batch["sample"]
+        return {"sample": Sample(s.image.to(device), s.label.to(device)), "ids": [batch["ids"][0].to(device), "x"]}
+
+    def drops_the_dataclass(batch, device):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+"""
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "my_batches.py").write_text(textwrap.dedent(MODULE))
+    command = [sys.executable, "-m", "todevice", "bench", *args]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_the_command_line_times_a_module_the_user_wrote(tmp_path: Path) -> None:
+    done = _cli(tmp_path, "--batch", "my_batches:make_batch", "--helper", "my_batches:to_device", "--device", "meta",
+                "--rounds", "3")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("my_batches.make_batch() (dict, 3 tensors, ")
+    assert "move() against your helper (my_batches.to_device)" in done.stdout
+
+
+def test_the_command_line_reports_a_wrong_helper_and_does_not_time_it(tmp_path: Path) -> None:
+    done = _cli(tmp_path, "--batch", "my_batches:make_batch", "--helper", "my_batches:drops_the_dataclass",
+                "--device", "meta", "--rounds", "3")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Not timed, since its result differs from move()'s: your helper (my_batches.drops_the_dataclass)" in (
+        done.stdout
+    )
+    assert "| as given | your helper" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--batch", "my_batches"], "expected MODULE:CALLABLE"),
+        (["--batch", "my_batches:nothing"], "cannot load 'my_batches:nothing'"),
+        (["--helper", "my_batches:to_device"], "--helper: only with --batch"),
+    ],
+)
+def test_a_bad_batch_or_helper_is_one_line_of_error(tmp_path: Path, args: list[str], says: str) -> None:
+    done = _cli(tmp_path, *args)
+    assert done.returncode == 2 and says in done.stderr
