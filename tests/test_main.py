@@ -394,20 +394,32 @@ def overhead_row(target: str, tensors: int, x_helper: float, **peers: float) -> 
     }
 
 
-def test_the_answer_names_every_row_where_move_is_slower() -> None:
+def _answer_row(batch: str, target: str, x: float, low: float, high: float) -> dict[str, Any]:
+    return {
+        "batch": batch,
+        "target": target,
+        "x_vs_move": {_bench.HELPER: x},
+        "spread_vs_move": {_bench.HELPER: [low, high]},
+    }
+
+
+def test_the_answer_names_every_row_where_move_is_slower_beyond_its_spread() -> None:
     rows = [
-        {"batch": "1 tensor", "target": "meta", "x_vs_move": {_bench.HELPER: 0.76}},
-        {"batch": "flat dict, 10", "target": "cpu", "x_vs_move": {_bench.HELPER: 2.17}},
-        {"batch": "[x, y]", "target": "meta", "x_vs_move": {_bench.HELPER: 0.72}},
+        _answer_row("1 tensor", "meta", 0.76, 0.70, 0.80),
+        _answer_row("flat dict, 10", "cpu", 2.17, 2.0, 2.3),
+        _answer_row("[x, y]", "meta", 0.72, 0.69, 0.75),
+        _answer_row("tokenizer dict", "cpu", 0.97, 0.90, 1.04),  # straddles 1.0x: neither slower nor faster
     ]
     assert _bench.answer(rows) == (
-        "On this machine, move() is faster than the hand-written helper in 1 of 3 rows (up to 2.17x), and slower "
-        "in 2: [x, y] to meta: 0.72x; 1 tensor to meta: 0.76x."
+        "On this machine, move() is faster than the hand-written helper in 1 of 4 rows (up to 2.17x), with no "
+        "measurable difference in 1, and slower in 2: [x, y] to meta: 0.72x (0.69x to 0.75x); 1 tensor to meta: "
+        "0.76x (0.70x to 0.80x)."
     )
     assert (
         _bench.answer(rows[1:2])
         == "On this machine, move() is faster than the hand-written helper in 1 of 1 rows (up to 2.17x)."
     )
+    assert "slower" not in _bench.answer(rows[3:])
 
 
 def test_the_verdicts_are_computed_from_the_rows() -> None:

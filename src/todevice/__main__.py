@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batches = DEFAULTS["batches"] if args.batches is None else args.batches
     else:
         args.rounds = min(args.rounds, DEVICE_ROUNDS)  # the rounds that run, and that the JSON records
-    env = _bench.environment(given, {k: v for k, v in vars(args).items() if k != "command"})
+    env = _bench.environment(given, {k: v for k, v in vars(args).items() if k not in ("command", "batch", "helper")})
     if args.device is not None:
         return accelerator_bench(args.device, args.rounds, args.json, env)
     return bench(args.rounds, args.batches, args.json, env)
