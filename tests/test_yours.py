@@ -156,3 +156,46 @@ def test_the_command_line_reports_a_wrong_helper_and_does_not_time_it(tmp_path: 
 def test_a_bad_batch_or_helper_is_one_line_of_error(tmp_path: Path, args: list[str], says: str) -> None:
     done = _cli(tmp_path, *args)
     assert done.returncode == 2 and says in done.stderr
+
+
+# ---------------------------------------------------------------- bench --plot
+
+
+def _plot_rows() -> list[dict[str, Any]]:
+    rows = []
+    for target in ("cpu", "meta"):
+        for batch, n in (
+            ("1 tensor", 1),
+            ("flat dict, 10", 10),
+            ("flat dict, 100", 100),
+            ("nested with a dataclass, 10", 10),
+        ):
+            x = {"todevice.move": 1.0, "hand-written helper": 0.8 * n**0.2, "Lightning": 2.0}
+            spread = {name: [v * 0.9, v, v * 1.1] for name, v in x.items()}
+            rows.append({"batch": batch, "target": target, "tensors": n, "x_vs_move": x, "spread_vs_move": spread})
+    return rows
+
+
+def test_plot_draws_a_png_of_the_size_matrix(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from todevice._bench import plot
+
+    path = tmp_path / "size.png"
+    plot.draw(_plot_rows(), str(path), "a test machine")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+    points = plot._series(_plot_rows(), "cpu", "flat dict", "hand-written helper")
+    assert [p[0] for p in points] == [1, 10, 100]  # the 1-tensor batch starts the flat dicts' line; nested apart
+    assert all(low < mid < high for _, mid, low, high in points)
+
+
+def test_plot_without_matplotlib_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from todevice import __main__ as cli
+    from todevice._bench import plot
+
+    monkeypatch.setattr(plot, "available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "--plot", str(tmp_path / "size.png")])
+    assert stop.value.code == 2
+    assert 'pip install "todevice[plot]"' in capsys.readouterr().err

@@ -83,9 +83,15 @@ def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapp
     return 0 if passed and written else 1
 
 
-def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, Any]) -> int:
-    """``bench``: the four host tables, each with its verdict, then the JSON report where ``--json`` says."""
+def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, Any], plot: str | None = None) -> int:
+    """``bench``: the four host tables, each with its verdict, then the JSON report where ``--json`` says, and the
+    size matrix's picture where ``--plot`` says."""
     overhead = _bench.main(rounds=rounds, part=(1, 4))
+    if plot is not None:
+        from todevice._bench import plot as picture
+
+        picture.draw(overhead["rows"], plot, f"{_bench.cpu_model()}, torch {torch.__version__}")
+        print(f"drew {plot}")
     print()
     transfer = _bench.transfer_main(rounds=rounds, part=(2, 4))
     print()
@@ -164,6 +170,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "when run from a checkout; not with --batches, which is for the DataLoader table",
     )
     bench_parser.add_argument(
+        "--plot",
+        type=_bench.json_path,  # a file that can be written, checked before anything is timed
+        default=None,
+        metavar="FILE.png",
+        help="also draw the first table: each contender's time over move()'s against the tensors in the batch "
+        '(needs matplotlib: pip install "todevice[plot]")',
+    )
+    bench_parser.add_argument(
         "--batch",
         type=_callable,
         default=None,
@@ -185,6 +199,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         info()
         return 0
+    if args.plot is not None:
+        from todevice._bench import plot as picture
+
+        if args.batch is not None or args.device is not None:
+            bench_parser.error("argument --plot: draws the host tables' first one; not with --batch or --device")
+        if not picture.available():
+            bench_parser.error(f"argument --plot: {picture.NEEDS}")
     if args.helper is not None and args.batch is None:
         bench_parser.error("argument --helper: only with --batch, which names the batch to time it on")
     if args.batch is not None:
@@ -208,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = _bench.environment(given, {k: v for k, v in vars(args).items() if k not in ("command", "batch", "helper")})
     if args.device is not None:
         return accelerator_bench(args.device, args.rounds, args.json, env)
-    return bench(args.rounds, args.batches, args.json, env)
+    return bench(args.rounds, args.batches, args.json, env, args.plot)
 
 
 if __name__ == "__main__":

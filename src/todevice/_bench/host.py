@@ -76,11 +76,10 @@ def _row(
 ) -> dict[str, Any]:
     us = {name: statistics.median(t) / number * 1e6 for name, t in times.items()}
     tensors = moved[HELPER][1]
-    spread = {}  # the middle half of each contender's per-round time over move()'s in the same round
+    spread = {}  # each contender's time over move()'s in the same round: the quartiles over the rounds
     for name, t in times.items():
         ratios = [a / b for a, b in zip(t, times["todevice.move"])]
-        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-        spread[name] = [q[0], q[2]]
+        spread[name] = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return {
         "batch": batch,
         "target": target,
@@ -163,17 +162,21 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _with_spread(row: dict[str, Any], name: str) -> str:
-    x = f"{row['x_vs_move'][name]:.2f}x"
-    half = row.get("spread_vs_move", {}).get(name)
-    return f"{x} ({half[0]:.2f} to {half[1]:.2f})" if name == HELPER and half else x
+    """The helper's column: the median of the per-round ratios, and the middle half of them; others: the ratio."""
+    q = row.get("spread_vs_move", {}).get(name)
+    if name == HELPER and q:
+        return f"{q[1]:.2f}x ({q[0]:.2f} to {q[2]:.2f})"
+    return f"{row['x_vs_move'][name]:.2f}x"
 
 
 def answer(rows: Rows) -> str:
     """For the reader: is move() faster than the hand-written helper here, and where is it slower, each by name with
     the middle half of its rounds. A row whose middle half holds 1.0x is no measurable difference, neither."""
-    x = {f"{r['batch']} to {r['target']}": r["x_vs_move"][HELPER] for r in rows}
-    half = {f"{r['batch']} to {r['target']}": r.get("spread_vs_move", {}).get(HELPER, [r["x_vs_move"][HELPER]] * 2)
-            for r in rows}  # fmt: skip
+    # The median of the per-round ratios, and the quartiles around it; the ratio of the medians where none are kept.
+    q = {f"{r['batch']} to {r['target']}": r.get("spread_vs_move", {}).get(HELPER, [r["x_vs_move"][HELPER]] * 3)
+         for r in rows}  # fmt: skip
+    x = {k: v[1] for k, v in q.items()}
+    half = {k: (v[0], v[2]) for k, v in q.items()}
     faster = [k for k in x if half[k][0] > 1.0]
     slower = sorted((k for k in x if half[k][1] < 1.0), key=lambda k: x[k])
     even = len(x) - len(faster) - len(slower)
