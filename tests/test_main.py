@@ -106,7 +106,7 @@ def test_bench_prints_tables_progress_and_verdicts_and_writes_json_from_any_dire
     assert env["cpu"] and env["cpu_count"] >= 1
     assert datetime.datetime.fromisoformat(env["date"]).utcoffset() == datetime.timedelta(0)
     assert env["argv"] == args
-    assert env["options"] == {"rounds": 1, "batches": 2, "json": "out.json", "device": None}
+    assert env["options"] == {"rounds": 1, "batches": 2, "json": "out.json", "device": None, "plot": None}
     assert set(env["peers"]) == {"Lightning", "accelerate"}
     assert env["peers"]["Lightning"]["package"] == "pytorch-lightning"
 
@@ -316,7 +316,7 @@ def test_bench_on_an_accelerator_records_the_rounds_it_runs_and_refuses_batches(
     out = capsys.readouterr().out
     assert "The accelerator's tables on meta: 10 rounds (--device runs at most 10)." in out.splitlines()
     env = json.loads((tmp_path / "out.json").read_text())["environment"]
-    assert env["options"] == {"rounds": 10, "batches": None, "json": "out.json", "device": "meta"}
+    assert env["options"] == {"rounds": 10, "batches": None, "json": "out.json", "device": "meta", "plot": None}
     assert json.loads((tmp_path / "four.json").read_text())["environment"]["options"]["rounds"] == 4
     with pytest.raises(SystemExit) as exit:
         main(["bench", "--device", "meta", "--batches", "5"])
