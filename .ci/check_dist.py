@@ -27,8 +27,8 @@ def main(dist: Path) -> int:
             f"{wheel.name}: License-Expression {meta['License-Expression']!r}, License-File {meta['License-File']!r}"
         )
     extras = set(meta.get_all("Provides-Extra") or [])
-    if extras != {"test", "bench"}:
-        problems.append(f"{wheel.name}: extras {sorted(extras)}, expected bench and test (lint is a dependency group)")
+    if extras != {"test", "bench", "plot"}:
+        problems.append(f"{wheel.name}: extras {sorted(extras)}, expected bench, plot and test (lint is a dependency group)")
     classifiers = set(meta.get_all("Classifier") or [])
     wanted = {f"Programming Language :: Python :: 3.{minor}" for minor in range(10, 14)} | {"Typing :: Typed"}
     if missing := wanted - classifiers:
