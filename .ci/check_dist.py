@@ -28,7 +28,8 @@ def main(dist: Path) -> int:
         )
     extras = set(meta.get_all("Provides-Extra") or [])
     if extras != {"test", "bench", "plot"}:
-        problems.append(f"{wheel.name}: extras {sorted(extras)}, expected bench, plot and test (lint is a dependency group)")
+        expected = "expected bench, plot and test (lint is a dependency group)"
+        problems.append(f"{wheel.name}: extras {sorted(extras)}, {expected}")
     classifiers = set(meta.get_all("Classifier") or [])
     wanted = {f"Programming Language :: Python :: 3.{minor}" for minor in range(10, 14)} | {"Typing :: Typed"}
     if missing := wanted - classifiers:
