@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -121,28 +121,46 @@ MODULE = """
 """
 
 
-def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str
+) -> tuple[int, str, str]:
+    """``python -m todevice bench ARGS`` run from a folder holding the user's module, in this process."""
+    from todevice import __main__ as cli
+
     (tmp_path / "my_batches.py").write_text(textwrap.dedent(MODULE))
-    command = [sys.executable, "-m", "todevice", "bench", *args]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_batches", raising=False)
+    try:
+        code = cli.main(["bench", *args])
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_the_command_line_times_a_module_the_user_wrote(tmp_path: Path) -> None:
-    done = _cli(tmp_path, "--batch", "my_batches:make_batch", "--helper", "my_batches:to_device", "--device", "meta",
-                "--rounds", "3")  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("my_batches.make_batch() (dict, 3 tensors, ")
-    assert "move() against your helper (my_batches.to_device)" in done.stdout
+def test_the_command_line_times_a_module_the_user_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--batch", "my_batches:make_batch", "--helper", "my_batches:to_device", "--device", "meta", "--rounds", "3"]
+    code, out, err = _cli(tmp_path, monkeypatch, capsys, *args, "--json", "report.json")
+    assert code == 0, err
+    assert out.startswith("my_batches.make_batch() (dict, 3 tensors, ")
+    assert "move() against your helper (my_batches.to_device)" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["yours"]["helper"] == "your helper (my_batches.to_device)" and report["yours"]["wrong"].keys() <= {
+        "accelerate"
+    }
 
 
-def test_the_command_line_reports_a_wrong_helper_and_does_not_time_it(tmp_path: Path) -> None:
-    done = _cli(tmp_path, "--batch", "my_batches:make_batch", "--helper", "my_batches:drops_the_dataclass",
-                "--device", "meta", "--rounds", "3")  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "Not timed, since its result differs from move()'s: your helper (my_batches.drops_the_dataclass)" in (
-        done.stdout
-    )
-    assert "| as given | your helper" not in done.stdout
+def test_the_command_line_reports_a_wrong_helper_and_does_not_time_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--batch", "my_batches:make_batch", "--helper", "my_batches:drops_the_dataclass", "--device", "meta"]
+    code, out, err = _cli(tmp_path, monkeypatch, capsys, *args, "--rounds", "3")
+    assert code == 0, err
+    assert "Not timed, since its result differs from move()'s: your helper (my_batches.drops_the_dataclass)" in out
+    assert "| as given | your helper" not in out
 
 
 @pytest.mark.parametrize(
@@ -153,9 +171,11 @@ def test_the_command_line_reports_a_wrong_helper_and_does_not_time_it(tmp_path: 
         (["--helper", "my_batches:to_device"], "--helper: only with --batch"),
     ],
 )
-def test_a_bad_batch_or_helper_is_one_line_of_error(tmp_path: Path, args: list[str], says: str) -> None:
-    done = _cli(tmp_path, *args)
-    assert done.returncode == 2 and says in done.stderr
+def test_a_bad_batch_or_helper_is_one_line_of_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    code, _, err = _cli(tmp_path, monkeypatch, capsys, *args)
+    assert code == 2 and says in err
 
 
 # ---------------------------------------------------------------- bench --plot
