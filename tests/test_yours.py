@@ -89,6 +89,23 @@ def test_difference_names_the_first_path_that_differs(got: Any, says: str) -> No
     assert why is not None and says in why
 
 
+def test_a_helper_that_changes_the_batch_in_place_is_reported_and_the_batch_is_untouched() -> None:
+    def in_place(batch: Any, device: Any) -> Any:
+        batch["ids"][0] = batch["ids"][0].to(device)
+        return right(batch, device)
+
+    batch = make_batch()
+    report = todevice.bench(batch, "meta", helper=in_place, rounds=3)
+    assert any(why == "it changed the batch it was given, in place" for why in report.wrong.values())
+    assert batch["ids"][0].device == torch.device("cpu")  # checked on a copy
+
+
+def test_nan_values_are_equal_to_nan_values() -> None:
+    batch = {"x": torch.full((4,), float("nan")), "y": torch.arange(3)}
+    report = todevice.bench(batch, "cpu", helper=lambda b, d: {k: v.to(d) for k, v in b.items()}, rounds=3)
+    assert not any("your helper" in name for name in report.wrong)
+
+
 @pytest.mark.parametrize(("low", "high", "verdict"), [(1.1, 1.3, "faster"), (0.7, 0.9, "slower"), (0.9, 1.1, None)])
 def test_a_spread_that_holds_one_is_no_measurable_difference(low: float, high: float, verdict: str | None) -> None:
     row = yours.Row("as given", "todevice.move", 1.0, 1.0, (low + high) / 2, low, high)

@@ -137,7 +137,7 @@ def your_bench(make: Any, helper: Any, device: str | None, rounds: int, json_pat
     from todevice._bench import yours
 
     batch = make()
-    name = f"{make.__module__}.{make.__qualname__}()"
+    name = f"{yours._name(make)}()"
     try:
         report = yours.bench(batch, device, helper=helper, rounds=rounds, name=name)
     except (TypeError, ValueError) as err:

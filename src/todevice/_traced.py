@@ -69,7 +69,7 @@ if _eval_frame_callback is _peeked_callback and hasattr(torch._C._dynamo.eval_fr
 # Whether dynamo traces this walk: from torch 2.11. Before, it crashes on it (2.8 cannot trace
 # ``frozenset.__contains__``) or gives a wrong result (2.10 hands back a frozenset of tensors empty). There move(),
 # pack() and unpack() run as plain Python behind a graph break (``untraced``).
-TRACES = torch.__version__ >= "2.11"
+TRACES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 11)  # "2.11.0a0+git..." too
 
 
 def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

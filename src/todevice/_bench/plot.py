@@ -33,7 +33,7 @@ def _series(
     points = []
     for r in rows:
         batch = str(r["batch"])
-        small = family == "flat dict" and r["tensors"] <= 3 and "," not in batch and "in place" not in batch
+        small = family == "flat dict" and r["tensors"] <= 3 and not batch.startswith(("flat", "nested", "in place"))
         if r["target"] != target or name not in r["x_vs_move"] or not (batch.startswith(family + ",") or small):
             continue
         low, mid, high = r.get("spread_vs_move", {}).get(name, [r["x_vs_move"][name]] * 3)

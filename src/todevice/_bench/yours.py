@@ -9,6 +9,7 @@ ratio whose middle half holds 1.0x is no measurable difference.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import random
@@ -98,7 +99,7 @@ def _said(row: Row) -> str:
     if row.verdict == "faster":
         return f"{row.speedup:.2f}x faster {spread}"
     if row.verdict == "slower":
-        return f"{1 / row.speedup:.2f}x slower, taking {1 / row.speedup:.2f}x the helper's time {spread}"
+        return f"slower: {1 / row.speedup:.2f}x the helper's time ({1 / row.high:.2f}x to {1 / row.low:.2f}x)"
     return f"no measurable difference {spread}"
 
 
@@ -128,9 +129,13 @@ def difference(want: Any, got: Any) -> str | None:
     tensors = list(_inspect._tensors(want)), list(_inspect._tensors(got))
     for (path, a), (_, b) in zip(*tensors):
         where = path or "the batch"
-        if (a.device, a.dtype, a.shape) != (b.device, b.dtype, b.shape):
+        if (a.device, a.dtype, a.layout) != (b.device, b.dtype, b.layout):
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
-        if a.device.type != "meta" and not torch.equal(a, b):
+        if a.layout != torch.strided or a.device.type == "meta":
+            continue  # a nested or sparse tensor: its device, dtype and layout are what is compared
+        if a.shape != b.shape:
+            return f"{where} is {_described(b)} where move() gives {_described(a)}"
+        if not torch.equal(a, b) and not (a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True)):
             return f"{where} holds other values than move() gives"
     if len(tensors[0]) != len(tensors[1]):
         return f"it holds {len(tensors[1])} tensors where move()'s result holds {len(tensors[0])}"
@@ -145,7 +150,21 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _described(t: torch.Tensor) -> str:
-    return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+    shape = f" of shape {tuple(t.shape)}" if t.layout == torch.strided else f" ({t.layout})"
+    return f"a {t.dtype} tensor{shape} on {t.device}"
+
+
+def _copy(batch: Any) -> Any:
+    """A copy of ``batch`` to check a contender on, so that one that changes its batch in place changes only this."""
+    try:
+        return copy.deepcopy(batch)
+    except Exception:  # an object that cannot be copied: the batch itself, whose tensors are then watched
+        return batch
+
+
+def _places(batch: Any) -> list[tuple[str, int, torch.device]]:
+    """Where each tensor of ``batch`` is: its path, the tensor, and its device."""
+    return [(path, id(t), t.device) for path, t in _inspect._tensors(batch)]
 
 
 def _pinned(x: Any) -> Any:
@@ -219,19 +238,25 @@ def bench(
     sync = (lambda: _stream.synchronize(dev)) if _stream.is_accelerator(dev) else (lambda: None)
     found, helper_name, missing = _contenders(helper)
     want = todevice.move(batch, dev)
+    forms = _forms(batch, dev)  # made before any contender runs: one that changes its batch changes only its copy
     wrong: dict[str, str] = {}
     for cname, fn in list(found.items())[1:]:
+        given = _copy(batch)
+        before = _places(given)
         try:
-            why = difference(want, fn(batch, dev))
+            got = fn(given, dev)
         except Exception as err:
-            why = f"it raised {type(err).__name__}: {err}"
+            why: str | None = f"it raised {type(err).__name__}: {err}"
+        else:
+            changed = _places(given) != before
+            why = "it changed the batch it was given, in place" if changed else difference(want, got)
         if why is not None:
             wrong[cname] = why
             del found[cname]
     yardstick = helper_name if helper_name in found else MOVE  # a wrong helper is no yardstick: then move() is
     rng = random.Random(0)
     rows = []
-    for form, variant in _forms(batch, dev).items():
+    for form, variant in forms.items():
         calls = max(1, min(1000, int(50e-6 / max(_timed(todevice.move, variant, dev, 1, sync)[1], 1e-9))))
         samples: dict[str, list[tuple[float, float]]] = {c: [] for c in found}
         for _ in range(rounds):
