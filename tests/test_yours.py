@@ -56,6 +56,7 @@ def test_a_helper_whose_result_differs_is_reported_and_not_timed() -> None:
     assert name not in {row.contender for row in report.rows}
     assert report.helper == "todevice.move"  # the ratios are to move() then
     assert "The helper was not timed" in str(report) and f"differs from move()'s: {name}" in str(report)
+    assert "| vs move() |" in str(report) and "vs helper" not in str(report)
 
 
 def test_a_helper_that_raises_is_reported_with_its_error() -> None:

@@ -78,7 +78,8 @@ class Report:
                 "  Where move() is slower, it still keeps what the helper may not: every container type, tensors "
                 "that share memory sharing it, and the batch unchanged."
             )
-        lines += ["", *_COLUMNS, "", _table(self.rows)]
+        columns = [c.replace("the helper's", "move()'s").replace("vs helper", "vs move()") for c in _COLUMNS]
+        lines += ["", *(columns if self.helper == MOVE else _COLUMNS), "", _table(self.rows, self.helper == MOVE)]
         for name, why in self.wrong.items():
             lines.append(f"Not timed, since its result differs from move()'s: {name}: {why}")
         if self.not_installed:
@@ -103,8 +104,10 @@ def _said(row: Row) -> str:
     return f"no measurable difference {spread}"
 
 
-def _table(rows: tuple[Row, ...]) -> str:
-    head = "| batch | contender | host us | end-to-end us | vs helper | middle half | verdict |"
+def _table(rows: tuple[Row, ...], to_move: bool = False) -> str:
+    """The rows as a Markdown table; ``to_move`` where the ratios are to move(), the helper being wrong."""
+    yardstick = "vs move()" if to_move else "vs helper"
+    head = f"| batch | contender | host us | end-to-end us | {yardstick} | middle half | verdict |"
     lines = [head, "|---|---|---:|---:|---:|---|---|"]
     for r in rows:
         cells = [r.form, r.contender, f"{r.host_us:,.1f}", f"{r.end_to_end_us:,.1f}", f"{r.speedup:.2f}x"]
