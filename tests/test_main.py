@@ -98,7 +98,7 @@ def test_bench_prints_tables_progress_and_verdicts_and_writes_json_from_any_dire
         # The project's targets for move() against the helper stay in the JSON; the reader gets the answer.
         assert (data["verdicts"][title] in lines) is (title not in (_bench.OVERHEAD, _bench.TRANSFER))
     assert any(line.startswith("On this machine, move() is faster than the hand-written helper in ") for line in lines)
-    assert any(line.startswith("On this machine's host, coalescing takes ") for line in lines)
+    assert any(line.startswith("On this machine's host, packing the small tensors into one buffer ") for line in lines)
     assert not any("not met" in line for line in lines)  # the project's targets are judged in the JSON only
     env = data["environment"]
     assert env["todevice"] == todevice.__version__ and env["torch"] == torch.__version__
@@ -457,10 +457,11 @@ def test_the_verdicts_are_computed_from_the_rows() -> None:
         "took 180 us against 63 us for per-tensor copy_() into meta (2.84x), which has no target on the host."
     )
     assert _bench.transfer_answer(host) == (
-        "On this machine's host, coalescing takes 1.60x the time of per-leaf .to('meta') (pack().unpack(): 1.40x), "
-        "and move(batch, out=static) 2.84x per-tensor copy_() (180 against 63 us). A copy to 'meta' moves no data, "
-        "so these are the host's bookkeeping alone; on a GPU, where each copy costs a launch, coalescing sends one "
-        "copy instead of one per tensor: python -m todevice bench --device cuda measures that."
+        "On this machine's host, packing the small tensors into one buffer (coalesce=True) takes 1.60x the time of a "
+        ".to('meta') per tensor (pack().unpack(): 1.40x), and move(batch, out=static) 2.84x a copy_() per tensor (180 "
+        "against 63 us). A copy to 'meta' moves no data, so these figures are the host's bookkeeping alone; on a GPU, "
+        "where each copy costs a launch, the one buffer crosses in one copy instead of one per tensor: python -m "
+        "todevice bench --device cuda measures that."
     )
     guard = [
         {"contender": name, "median_us": us, "overhead_us": us - 80.0, "overhead_us_per_hook": (us - 80.0) / 8}

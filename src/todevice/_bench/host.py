@@ -348,11 +348,12 @@ def transfer_answer(host: Rows) -> str:
     coalesced = by_name["move(batch, 'meta', coalesce=True)"]["x_per_leaf_to"]
     ours, theirs = by_name["move(batch, out=static)"], by_name["per-tensor copy_() into meta"]
     return (
-        f"On this machine's host, coalescing takes {coalesced:.2f}x the time of per-leaf .to('meta') "
-        f"(pack().unpack(): {packed:.2f}x), and move(batch, out=static) {ours['x_per_leaf_to']:.2f}x per-tensor "
-        f"copy_() ({ours['median_us']:.0f} against {theirs['median_us']:.0f} us). A copy to 'meta' moves no data, so "
-        "these are the host's bookkeeping alone; on a GPU, where each copy costs a launch, coalescing sends one copy "
-        "instead of one per tensor: python -m todevice bench --device cuda measures that."
+        f"On this machine's host, packing the small tensors into one buffer (coalesce=True) takes {coalesced:.2f}x "
+        f"the time of a .to('meta') per tensor (pack().unpack(): {packed:.2f}x), and move(batch, out=static) "
+        f"{ours['x_per_leaf_to']:.2f}x a copy_() per tensor ({ours['median_us']:.0f} against "
+        f"{theirs['median_us']:.0f} us). A copy to 'meta' moves no data, so these figures are the host's bookkeeping "
+        "alone; on a GPU, where each copy costs a launch, the one buffer crosses in one copy instead of one per "
+        "tensor: python -m todevice bench --device cuda measures that."
     )
 
 
@@ -366,7 +367,7 @@ def transfer_main(rounds: int = 30, part: tuple[int, int] = (1, 1)) -> dict[str,
     then = f"; then the accelerator's tables on {acc.type}" if acc is not None else ""
     progress(part, f"{TRANSFER}: 2 workloads, {_count(rounds, 'round')} each{then}")
     host = host_rows(rounds=rounds) + static_host_rows(rounds=rounds)
-    columns = ["workload", "contender", ">median (us)", ">time / per-leaf copy to meta"]
+    columns = ["workload", "contender", ">median (us)", ">time / a .to('meta') per tensor"]
     cells = [[r["workload"], r["contender"], f"{r['median_us']:.0f}", f"{r['x_per_leaf_to']:.2f}x"] for r in host]
     title = f"{TRANSFER}: what coalescing and copies into static buffers cost the host (medians)."
     print(title)
@@ -482,8 +483,8 @@ def loader_main(batches: int = 100, part: tuple[int, int] = (1, 1)) -> dict[str,
     ]
     title = (
         f"{LOADER}, 2 workers, batches of 32: batches per second (higher is better). 'x default_collate' is the "
-        "rate over default_collate's; 'shared-memory blocks per batch' counts the blocks, one file descriptor "
-        "each, that carry a batch from a worker."
+        "rate over default_collate's; 'shared-memory blocks per batch' counts the pieces of shared memory a batch "
+        "crosses from a worker in (each costs the operating system a file to open and map)."
     )
     return {"rows": rows, "verdicts": report(title, columns, cells, LOADER, loader_verdict(rows))}
 
