@@ -47,24 +47,30 @@ from todevice import _layout, _options, _stream, _tree, _walk
 # dataclass is rebuilt from its fields, and what needs the list breaks the graph with a message.
 LISTS_ATTRIBUTES = torch.__version__ >= "2.12"
 
+_EVAL_FRAME = torch._C._dynamo.eval_frame
+
+
+def _never_compiled(fn: Callable[..., Any]) -> None:
+    """Where torch can say so (2.4 can), dynamo never compiles a frame of ``fn`` on its own."""
+    if hasattr(_EVAL_FRAME, "skip_code"):
+        _EVAL_FRAME.skip_code(fn.__code__)
+
+
+def _peeked_callback() -> Any:
+    """The callback, read where torch has no getter for it (before 2.5 or so): set to None, and set back at once."""
+    callback = _EVAL_FRAME.set_eval_frame(None)
+    _EVAL_FRAME.set_eval_frame(callback)
+    return callback
+
 
 # Truthy while a torch.compile'd function runs: the callback dynamo hands each new frame to (None
 # outside, False where compiled code is only replayed). A frame dynamo gives up on runs as plain
 # Python with it still set, and each call that frame makes is compiled on its own: the eager move's
 # host-side steps fail that way (a pinned result, a fallback in an ``except`` that dynamo does not
 # take), so a move made there takes this walk too.
-def _peeked_callback() -> Any:
-    """The callback, read where torch has no getter for it (before 2.5 or so): set to None, and set back at once."""
-    callback = torch._C._dynamo.eval_frame.set_eval_frame(None)
-    torch._C._dynamo.eval_frame.set_eval_frame(callback)
-    return callback
-
-
-_eval_frame_callback: Callable[[], Any] = getattr(
-    torch._C._dynamo.eval_frame, "get_eval_frame_callback", _peeked_callback
-)
-if _eval_frame_callback is _peeked_callback and hasattr(torch._C._dynamo.eval_frame, "skip_code"):
-    torch._C._dynamo.eval_frame.skip_code(_peeked_callback.__code__)  # never a frame dynamo compiles on its own
+_eval_frame_callback: Callable[[], Any] = getattr(_EVAL_FRAME, "get_eval_frame_callback", _peeked_callback)
+if _eval_frame_callback is _peeked_callback:
+    _never_compiled(_peeked_callback)
 
 # Whether dynamo traces this walk: from torch 2.11. Before, it crashes on it (2.8 cannot trace
 # ``frozenset.__contains__``) or gives a wrong result (2.10 hands back a frozenset of tensors empty). There move(),
@@ -83,21 +89,19 @@ def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """
     if TRACES:
         return fn
-    eval_frame = torch._C._dynamo.eval_frame
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        callback = eval_frame.set_eval_frame(None)
+        callback = _EVAL_FRAME.set_eval_frame(None)
         try:
             return fn(*args, **kwargs)
         finally:
-            eval_frame.set_eval_frame(callback)
+            _EVAL_FRAME.set_eval_frame(callback)
 
     run.__name__ = run.__qualname__ = (
         f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
     )
     run._torchdynamo_disable = True  # type: ignore[attr-defined]
-    if hasattr(eval_frame, "skip_code"):
-        eval_frame.skip_code(run.__code__)  # never a frame dynamo compiles on its own
+    _never_compiled(run)
     return run
 
 
