@@ -147,6 +147,11 @@ def your_bench(make: Any, helper: Any, device: str | None, rounds: int, json_pat
     return 0 if _bench.write_json(json_path, {"yours": dataclasses.asdict(report)}, env) else 1
 
 
+def _environment(given: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON's record of the machine and the options (the batch and helper as given, in its argv)."""
+    return _bench.environment(given, {k: v for k, v in vars(args).items() if k not in ("command", "batch", "helper")})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m todevice", description=todevice.__doc__)
     parser.add_argument("--version", action="version", version=f"todevice {todevice.__version__}")
@@ -212,10 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.batches is not None:
             bench_parser.error("argument --batches: not with --batch, which times your batch, not the DataLoader")
         rounds = DEFAULTS["rounds"] if args.rounds is None else args.rounds
-        env = _bench.environment(
-            given, {k: v for k, v in vars(args).items() if k not in ("command", "batch", "helper")}
-        )
-        return your_bench(args.batch, args.helper, args.device, rounds, args.json, env)
+        return your_bench(args.batch, args.helper, args.device, rounds, args.json, _environment(given, args))
     if args.device is not None and args.batches is not None:
         bench_parser.error(
             "argument --batches: not with --device, whose tables have no DataLoader; drop --batches, "
@@ -226,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.batches = DEFAULTS["batches"] if args.batches is None else args.batches
     else:
         args.rounds = min(args.rounds, DEVICE_ROUNDS)  # the rounds that run, and that the JSON records
-    env = _bench.environment(given, {k: v for k, v in vars(args).items() if k not in ("command", "batch", "helper")})
+    env = _environment(given, args)
     if args.device is not None:
         return accelerator_bench(args.device, args.rounds, args.json, env)
     return bench(args.rounds, args.batches, args.json, env, args.plot)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from todevice._bench.common import HELPER
+from todevice._bench.host import quartiles
 
 NEEDS = 'bench --plot needs matplotlib: pip install "todevice[plot]" (or pip install matplotlib)'
 
@@ -36,7 +37,7 @@ def _series(
         small = family == "flat dict" and r["tensors"] <= 3 and not batch.startswith(("flat", "nested", "in place"))
         if r["target"] != target or name not in r["x_vs_move"] or not (batch.startswith(family + ",") or small):
             continue
-        low, mid, high = r.get("spread_vs_move", {}).get(name, [r["x_vs_move"][name]] * 3)
+        low, mid, high = quartiles(r, name)
         points.append((int(r["tensors"]), float(mid), float(low), float(high)))
     return sorted(points)
 

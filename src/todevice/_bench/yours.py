@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
+import functools
 import random
 import statistics
 import time
@@ -22,7 +22,7 @@ import torch
 
 import todevice
 from todevice import _inspect, _stream, _tree, _walk
-from todevice._bench.common import HELPER, PEERS, recursive_to_device
+from todevice._bench.common import HELPER, PEERS, _per_sample, contenders, recursive_to_device
 
 Mover = Callable[[Any, torch.device], Any]
 MOVE = "todevice.move"
@@ -186,16 +186,13 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 def _contenders(helper: Mover | None) -> tuple[dict[str, Mover], str, tuple[str, ...]]:
-    """move(), the helper (the user's, or the hand-written one), and the peers that are installed."""
+    """move(), the helper (the user's, or the hand-written one), and the peers that are installed (the host table's,
+    but optree.tree_map, which no loop carries as its helper)."""
     helper_name = f"your helper ({_name(helper)})" if helper is not None else HELPER
+    timed, absent = contenders()
     found: dict[str, Mover] = {MOVE: todevice.move, helper_name: helper or recursive_to_device}
-    missing = []
-    for name, (module, function, package) in PEERS.items():
-        try:
-            found[name] = getattr(importlib.import_module(module), function)
-        except ImportError:
-            missing.append(f"{name} (pip install {package})")
-    return found, helper_name, tuple(missing)
+    found.update((name, fn) for name, fn in timed.items() if name in PEERS)
+    return found, helper_name, tuple(f"{name} (pip install {PEERS[name][2]})" for name in absent)
 
 
 def _forms(batch: Any, dev: torch.device) -> dict[str, Any]:
@@ -260,7 +257,7 @@ def bench(
     rng = random.Random(0)
     rows = []
     for form, variant in forms.items():
-        calls = max(1, min(1000, int(50e-6 / max(_timed(todevice.move, variant, dev, 1, sync)[1], 1e-9))))
+        calls = _per_sample(functools.partial(_timed, todevice.move, variant, dev, 1, sync))
         samples: dict[str, list[tuple[float, float]]] = {c: [] for c in found}
         for _ in range(rounds):
             order = list(found)
