@@ -97,7 +97,8 @@ def test_bench_prints_tables_progress_and_verdicts_and_writes_json_from_any_dire
         assert data["verdicts"][title].startswith(start)
         # The project's targets for move() against the helper stay in the JSON; the reader gets the answer.
         assert (data["verdicts"][title] in lines) is (title not in (_bench.OVERHEAD, _bench.TRANSFER))
-    assert any(line.startswith("On this machine, move() is faster than the hand-written helper in ") for line in lines)
+    assert "On this machine, the hand-written helper's time over move()'s, per batch (above 1.00x" in out
+    assert any(line.startswith("- to cpu, where the tensors already are (the cost of looking at") for line in lines)
     assert any(line.startswith("On this machine's host, packing the small tensors into one buffer ") for line in lines)
     assert not any("not met" in line for line in lines)  # the project's targets are judged in the JSON only
     env = data["environment"]
@@ -106,7 +107,15 @@ def test_bench_prints_tables_progress_and_verdicts_and_writes_json_from_any_dire
     assert env["cpu"] and env["cpu_count"] >= 1
     assert datetime.datetime.fromisoformat(env["date"]).utcoffset() == datetime.timedelta(0)
     assert env["argv"] == args
-    assert env["options"] == {"rounds": 1, "batches": 2, "json": "out.json", "device": None, "plot": None}
+    assert env["options"] == {
+        "rounds": 1,
+        "batches": 2,
+        "json": "out.json",
+        "device": None,
+        "plot": None,
+        "row_seconds": None,
+        "loader_seconds": None,
+    }
     assert set(env["peers"]) == {"Lightning", "accelerate"}
     assert env["peers"]["Lightning"]["package"] == "pytorch-lightning"
 
@@ -316,7 +325,9 @@ def test_bench_on_an_accelerator_records_the_rounds_it_runs_and_refuses_batches(
     out = capsys.readouterr().out
     assert "The accelerator's tables on meta: 10 rounds (--device runs at most 10)." in out.splitlines()
     env = json.loads((tmp_path / "out.json").read_text())["environment"]
-    assert env["options"] == {"rounds": 10, "batches": None, "json": "out.json", "device": "meta", "plot": None}
+    options = {"rounds": 10, "batches": None, "json": "out.json", "device": "meta", "plot": None}
+    options.update(row_seconds=None, loader_seconds=None)
+    assert env["options"] == options
     assert json.loads((tmp_path / "four.json").read_text())["environment"]["options"]["rounds"] == 4
     with pytest.raises(SystemExit) as exit:
         main(["bench", "--device", "meta", "--batches", "5"])
@@ -333,7 +344,7 @@ def test_bench_on_a_device_that_is_not_an_accelerator_says_so(capsys: pytest.Cap
 def test_a_part_says_what_it_runs_before_it_starts(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def rows(batches: int) -> list[dict[str, Any]]:
+    def rows(batches: int, seconds: float | None) -> list[dict[str, Any]]:
         assert capsys.readouterr().err == "[3/4] DataLoader: 2 workers, 3 sample sizes, 3 loaders each, " + (
             f"{batches} batches per loader ...\n"
         )
@@ -381,7 +392,7 @@ def test_peers_not_installed_are_named_with_how_to_install_them(
     assert "| Lightning |" not in out and "| accelerate |" not in out
     assert set(result["rows"][0]["median_us"]) == {"todevice.move", "hand-written helper", "optree.tree_map"}
     verdict = result["verdicts"]["move() against the hand-written helper and the peers"]
-    assert result["answer"] in out.splitlines() and "Lightning" not in verdict
+    assert result["answer"] in out and "Lightning" not in verdict
 
 
 def overhead_row(target: str, tensors: int, x_helper: float, **peers: float) -> dict[str, Any]:
@@ -409,17 +420,27 @@ def test_the_answer_names_every_row_where_move_is_slower_beyond_its_spread() -> 
         _answer_row("flat dict, 10", "cpu", 2.17, 2.0, 2.3),
         _answer_row("[x, y]", "meta", 0.72, 0.69, 0.75),
         _answer_row("tokenizer dict", "cpu", 0.97, 0.90, 1.04),  # straddles 1.0x: neither slower nor faster
+        _answer_row("flat dict, 100", "cpu", 4.07, 3.27, 4.76),
+        _answer_row("flat dict, 10", "meta", 1.02, 0.98, 1.10),
     ]
-    assert _bench.answer(rows) == (
-        "On this machine, move() is faster than the hand-written helper in 1 of 4 rows (up to 2.17x), with no "
-        "measurable difference in 1, and slower in 2: [x, y] to meta: 0.72x (0.69x to 0.75x); 1 tensor to meta: "
-        "0.76x (0.70x to 0.80x)."
+    head = (
+        "On this machine, the hand-written helper's time over move()'s, per batch (above 1.00x, move() is faster; "
+        "the median of the rounds, with their middle half in brackets):"
     )
-    assert (
-        _bench.answer(rows[1:2])
-        == "On this machine, move() is faster than the hand-written helper in 1 of 1 rows (up to 2.17x)."
+    assert _bench.answer(rows).splitlines() == [
+        head,
+        "- to meta, every tensor copied with no data (the cost of the copies' bookkeeping): move() is slower for 2 "
+        "of 3: [x, y], 0.72x (0.69x to 0.75x); 1 tensor, 0.76x (0.70x to 0.80x). No measurable difference for 1 "
+        "of 3: flat dict, 10.",
+        "- to cpu, where the tensors already are (the cost of looking at the batch): move() is faster for 2 of 3 "
+        "batches: 2.17x (2.00x to 2.30x) for flat dict, 10, up to 4.07x (3.27x to 4.76x) for flat dict, 100. No "
+        "measurable difference for 1 of 3: tokenizer dict.",
+    ]
+    assert _bench.answer(rows[1:2]).splitlines()[1] == (
+        "- to cpu, where the tensors already are (the cost of looking at the batch): move() is faster for 1 of 1 "
+        "batches: 2.17x (2.00x to 2.30x) for flat dict, 10."
     )
-    assert "slower" not in _bench.answer(rows[3:])
+    assert "slower" not in _bench.answer(rows[3:4])
 
 
 def test_the_verdicts_are_computed_from_the_rows() -> None:
@@ -457,10 +478,11 @@ def test_the_verdicts_are_computed_from_the_rows() -> None:
         "took 180 us against 63 us for per-tensor copy_() into meta (2.84x), which has no target on the host."
     )
     assert _bench.transfer_answer(host) == (
-        "On this machine's host, packing the small tensors into one buffer (coalesce=True) takes 1.60x the time of a "
-        ".to('meta') per tensor (pack().unpack(): 1.40x), and move(batch, out=static) 2.84x a copy_() per tensor (180 "
-        "against 63 us). A copy to 'meta' moves no data, so these figures are the host's bookkeeping alone; on a GPU, "
-        "where each copy costs a launch, the one buffer crosses in one copy instead of one per tensor: python -m "
+        "On this machine's host, packing the small tensors into one buffer (coalesce=True) takes 1.60x (1.60x to "
+        "1.60x) the time of a .to('meta') per tensor (pack().unpack(): 1.40x (1.40x to 1.40x)), and move(batch, "
+        "out=static) 2.84x (2.84x to 2.84x) a copy_() per tensor (180 against 63 us). A copy to 'meta' moves "
+        "no data, so these figures are the host's bookkeeping alone; on a GPU, where each copy costs a launch, the "
+        "one buffer crosses in one copy instead of one per tensor: python -m "
         "todevice bench --device cuda measures that."
     )
     guard = [

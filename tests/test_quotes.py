@@ -172,3 +172,23 @@ def test_the_quote_check_fails_when_a_quoted_ratio_is_edited() -> None:
     assert edited != speed
     found = re.search(pattern, edited)
     assert found is not None and found.group(1) != figure()
+
+
+def test_the_guard_figures_docs_api_quotes_are_the_recorded_runs() -> None:
+    """The share of a forward and the time per guarded module, each the range over bench/results/guard*.json."""
+    text = " ".join((ROOT / "docs" / "api.md").read_text().split())
+    runs = [json.loads(path.read_text())["rows"] for path in sorted(RESULTS.glob("guard*.json"))]
+    on = [next(r for r in rows if r["contender"] == "guard(model)") for rows in runs]
+    base = [next(r for r in rows if r["contender"] == "no guard")["median_us"] for rows in runs]
+    share = [r["overhead_us"] / b * 100 for r, b in zip(on, base)]
+    found = re.search(
+        r"it added (\d+)% to (\d+)% to the forward time .*?, (\S+) to (\S+) us per guarded module, over (\w+)", text
+    )
+    assert found is not None, "docs/api.md no longer quotes guard()'s cost"
+    assert found.groups()[:4] == (
+        f"{min(share):.0f}",
+        f"{max(share):.0f}",
+        f"{min(r['overhead_us_per_hook'] for r in on):.2f}",
+        f"{max(r['overhead_us_per_hook'] for r in on):.2f}",
+    )
+    assert found.group(5) == ["one", "two", "three", "four", "five", "six"][len(runs) - 1]

@@ -79,15 +79,26 @@ def _fixed(image: torch.Tensor | None = None, sample: Any = Sample, ids: Any = (
         (_fixed(sample=lambda *a: tuple(a)), "['sample'] is a tuple where move() gives a Sample"),
         (_fixed(ids=("y",)), "['ids'][1] is 'y' where move() gives 'x'"),
         (_fixed(torch.arange(12.0).reshape(4, 3).double()), "['sample'].image is a torch.float64 tensor"),
-        (_fixed(ids=()), "holds"),
+        (_fixed(ids=()), "['ids'][1] is missing: move() gives a str there"),
+        (_fixed(ids=("x", "y")), "it holds ['ids'][2], where move()'s result holds nothing"),
     ],
-    ids=["values", "container", "atom", "dtype", "missing"],
+    ids=["values", "container", "atom", "dtype", "missing", "extra"],
 )
 def test_difference_names_the_first_path_that_differs(got: Any, says: str) -> None:
     want = _fixed()
     assert yours.difference(want, _fixed()) is None
     why = yours.difference(want, got)
     assert why is not None and says in why
+
+
+def test_a_dict_whose_keys_come_in_another_order_is_the_same_dict() -> None:
+    want = {"a": torch.ones(2), "b": {"c": torch.zeros(1), "d": 3}}
+    got = {"b": {"d": 3, "c": torch.zeros(1)}, "a": torch.ones(2)}
+    assert yours.difference(want, got) is None
+    assert yours.difference(want, {**got, "a": torch.ones(3)}) == (
+        "['a'] is a torch.float32 tensor of shape (3,) on cpu where move() gives a torch.float32 tensor of shape (2,) "
+        "on cpu"
+    )
 
 
 def test_a_helper_that_changes_the_batch_in_place_is_reported_and_the_batch_is_untouched() -> None:
@@ -237,3 +248,20 @@ def test_plot_without_matplotlib_names_the_extra_to_install(
         cli.main(["bench", "--plot", str(tmp_path / "size.png")])
     assert stop.value.code == 2
     assert 'pip install "todevice[plot]"' in capsys.readouterr().err
+
+
+def test_a_helper_is_checked_on_every_form_of_the_batch_it_is_timed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an accelerator the batch is timed as given, pinned and already there; a helper wrong on one of them is
+    reported with that form, and not timed."""
+    monkeypatch.setattr(yours, "_forms", lambda batch, dev: {"pageable": batch, "pinned": {"x": batch["x"].double()}})
+
+    def to_float(batch: Any, device: Any) -> Any:
+        return {k: v.float().to(device) for k, v in batch.items()}
+
+    report = todevice.bench({"x": torch.ones(3)}, "meta", helper=to_float, rounds=3)
+    name = next(iter(report.wrong))
+    assert report.wrong[name] == (
+        "pinned: ['x'] is a torch.float32 tensor of shape (3,) on meta where move() gives a torch.float64 tensor of "
+        "shape (3,) on meta"
+    )
+    assert name not in {row.contender for row in report.rows}

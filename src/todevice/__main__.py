@@ -32,6 +32,12 @@ def info() -> None:
 
 DEFAULTS = {"rounds": 30, "batches": 20}  # filled in after parsing, so --batches is refused with --device only if given
 DEVICE_ROUNDS = 10  # --device runs at most this many rounds: its tables take minutes
+# Without --rounds, a row of the first table whose rounds would take longer than this runs fewer (the 10,000-tensor
+# rows: 0.1 to 0.4 s a round on a 2-core machine), which brings the default run to about 30 s there.
+ROW_SECONDS = 1.0
+# Without --batches, a DataLoader is timed for at most this long once 5 batches came: default_collate takes 0.25 s a
+# batch at 400 tensors per sample there, so its 20 batches would take 5 s, twice.
+LOADER_SECONDS = 1.0
 TESTS_TIMEOUT = 240  # seconds for tests/test_accelerator.py, after the tables
 
 
@@ -83,10 +89,19 @@ def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapp
     return 0 if passed and written else 1
 
 
-def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, Any], plot: str | None = None) -> int:
+def bench(
+    rounds: int,
+    batches: int,
+    json_path: str | None,
+    env: Mapping[str, Any],
+    plot: str | None = None,
+    row_seconds: float | None = None,
+    loader_seconds: float | None = None,
+) -> int:
     """``bench``: the four host tables, each with its verdict, then the JSON report where ``--json`` says, and the
-    size matrix's picture where ``--plot`` says."""
-    overhead = _bench.main(rounds=rounds, part=(1, 4))
+    size matrix's picture where ``--plot`` says. ``row_seconds``: the first table's time limit per row, and
+    ``loader_seconds`` the DataLoader table's per loader, if any."""
+    overhead = _bench.main(rounds=rounds, part=(1, 4), row_seconds=row_seconds)
     if plot is not None:
         from todevice._bench import plot as picture
 
@@ -95,7 +110,7 @@ def bench(rounds: int, batches: int, json_path: str | None, env: Mapping[str, An
     print()
     transfer = _bench.transfer_main(rounds=rounds, part=(2, 4))
     print()
-    loader = _bench.loader_main(batches=batches, part=(3, 4))
+    loader = _bench.loader_main(batches=batches, part=(3, 4), seconds=loader_seconds)
     print()
     guard = _bench.guard_main(part=(4, 4))
     verdicts = {**overhead["verdicts"], **transfer["verdicts"], **loader["verdicts"], **guard["verdicts"]}
@@ -160,7 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_parser = sub.add_parser(
         "bench", help="time move() against the helper and the peers, the transfer engine and the DataLoader"
     )
-    for option, note in (("rounds", f"; at most {DEVICE_ROUNDS} with --device"), ("batches", "; not with --device")):
+    budget = (
+        f"; without --rounds, a row of the first table that would take over {ROW_SECONDS:g} s runs fewer, "
+        f"at least {_bench.host.MIN_ROUNDS}"
+    )
+    for option, note in (
+        ("rounds", f"{budget}; at most {DEVICE_ROUNDS} with --device"),
+        ("batches", f"; without --batches, a loader stops after {LOADER_SECONDS:g} s once 5 came; not with --device"),
+    ):
         default = DEFAULTS[option]
         parse, text = _bench.OPTIONS[option]
         bench_parser.add_argument(
@@ -223,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "argument --batches: not with --device, whose tables have no DataLoader; drop --batches, "
             "or drop --device for the host tables"
         )
+    args.row_seconds = ROW_SECONDS if args.rounds is None and args.device is None else None
+    args.loader_seconds = LOADER_SECONDS if args.batches is None and args.device is None else None
     args.rounds = DEFAULTS["rounds"] if args.rounds is None else args.rounds
     if args.device is None:
         args.batches = DEFAULTS["batches"] if args.batches is None else args.batches
@@ -231,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = _environment(given, args)
     if args.device is not None:
         return accelerator_bench(args.device, args.rounds, args.json, env)
-    return bench(args.rounds, args.batches, args.json, env, args.plot)
+    return bench(args.rounds, args.batches, args.json, env, args.plot, args.row_seconds, args.loader_seconds)
 
 
 if __name__ == "__main__":

@@ -353,6 +353,22 @@ def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce
     return Sending(together, alone_bytes > limit)
 
 
+# A staged tensor over this many bytes is written and sent in pieces of this size, so that the link carries one
+# piece while the host writes the next: a 128 MiB tensor is no longer written whole before its first byte crosses.
+# Tensors are already sent one by one as they are written, so this shortens only the wait for the first piece,
+# at the cost of one more copy launch a piece. Measured: a copy launch costs the host 14.4 us, a pinned copy runs at
+# 52 GB/s; for S bytes in pieces of C, the pieces' launches (S/C x 14.4 us) and the last piece's crossing (C / 52
+# GB/s) cost least at C = sqrt(S x 14.4 us x 52 GB/s): 10 MB for 128 MiB, 3.5 MB for 16 MiB. 8 MiB is the power of
+# two nearest the first; for a 16 MiB tensor it costs one launch more (14 us) and saves half a write. The sweep in
+# bench/gpu_check.py measures the sizes around it (bench/README.md).
+STAGE_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def pieces(n: int, itemsize: int) -> range:
+    """Where each piece of a staged tensor of ``n`` elements of ``itemsize`` bytes starts, in elements."""
+    return range(0, n, max(1, STAGE_CHUNK_BYTES // itemsize))
+
+
 def staging(nbytes: int, dev: torch.device) -> torch.Tensor:
     """A host buffer of ``nbytes`` to write tensors into for ``dev``: page-locked where ``dev`` is an accelerator."""
     buffer = _stream.pinned(nbytes, torch.uint8, dev) if _stream.is_accelerator(dev) else None
@@ -378,8 +394,9 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
     One allocation from the caching host allocator for all of them (which hands the block out again once
     the copies from it have finished), one host memcpy and one asynchronous copy each, and no wait: the
-    host returns once the copies are queued. A cast is made on the side with fewer bytes. False, with
-    nothing copied, where no pinned memory could be had.
+    host returns once the copies are queued. A contiguous tensor over ``STAGE_CHUNK_BYTES`` is written and
+    sent in pieces of that size, each piece's copy queued before the next is written. A cast is made on
+    the side with fewer bytes. False, with nothing copied, where no pinned memory could be had.
     """
     plan: list[tuple[int, torch.dtype]] = []
     total = 0
@@ -399,8 +416,16 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         flat = buffer[at : at + n * sent.itemsize].view(sent)
         if src.is_neg() or src.is_conj():  # a lazy negation: copy_ into another dtype drops it (torch 2.13, float16)
             src = src.resolve_neg().resolve_conj()
-        flat.as_strided(out.shape, out.stride()).copy_(src)  # laid out as the target is: one span of n
-        out.as_strided((n,), (1,), out.storage_offset()).copy_(flat, non_blocking=True)
+        target = out.as_strided((n,), (1,), out.storage_offset())  # out is dense: one span of n
+        starts = pieces(n, sent.itemsize)
+        if len(starts) > 1 and src.is_contiguous() and out.is_contiguous():
+            source, step = src.reshape(n), starts.step  # a view: the same elements, in the same order
+            for lo in starts:
+                flat[lo : lo + step].copy_(source[lo : lo + step])
+                target[lo : lo + step].copy_(flat[lo : lo + step], non_blocking=True)
+            continue
+        flat.as_strided(out.shape, out.stride()).copy_(src)  # laid out as the target is
+        target.copy_(flat, non_blocking=True)
     return True
 
 

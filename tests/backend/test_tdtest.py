@@ -454,6 +454,61 @@ def test_a_staged_cast_sends_the_smaller_dtype(pinned_stand_in: list[int], dtype
     assert sum(pinned_stand_in) == 1000 * min(dtype.itemsize, 4)
 
 
+class Copies(TorchDispatchMode):
+    """Every copy_, as (from, to, elements): the order of the host's writes and the copies across."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.__name__.split(".")[0] == "copy_":
+            self.log.append((args[1].device.type, args[0].device.type, args[0].numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_large_staged_tensor_is_written_and_sent_piece_by_piece(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece's copy is queued before the next piece is written; a tensor of one piece is written, then sent."""
+    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 4096)  # 1,024 float32
+    batch = {"a": torch.randn(2500), "b": torch.randn(3, 300)}  # 10,000 bytes, then 3,600
+    copies = Copies()
+    with torch.inference_mode(), copies:
+        there = todevice.move(batch, "tdtest", coalesce=False)
+    host, across = ("cpu", "cpu"), ("cpu", "tdtest")
+    assert copies.log == [
+        (*host, 1024), (*across, 1024), (*host, 1024), (*across, 1024), (*host, 452), (*across, 452),
+        (*host, 900), (*across, 900),
+    ]  # fmt: skip
+    assert pinned_stand_in == [10000 + 3600]  # one block, as before
+    with torch.inference_mode():
+        helpers.assert_same_tree(todevice.move(there, "cpu", non_blocking=False), batch, values=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "pieces"),
+    [
+        (lambda: torch.randn(2500), torch.float16, 2),  # cast on the host: 2,048 halves a piece
+        (lambda: torch.randn(50, 50).t(), None, 1),  # not contiguous: written whole, in the target's layout
+        (lambda: torch._neg_view(torch.randn(2500)), None, 3),  # a lazy negation, resolved before the pieces
+    ],
+)
+def test_pieces_keep_values_casts_and_layouts(
+    pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch, make: Any, dtype: Any, pieces: int
+) -> None:
+    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 4096)
+    src = make()
+    copies = Copies()
+    with torch.inference_mode(), copies:
+        there = todevice.move(src, "tdtest", dtype=dtype, coalesce=False)
+        back = todevice.move(there, "cpu", non_blocking=False)
+    expected = src.to("tdtest", dtype=dtype)
+    assert there.dtype == expected.dtype and there.stride() == expected.stride()
+    assert torch.equal(back, src.to(dtype) if dtype is not None else src)
+    assert sum(1 for a, b, _ in copies.log if (a, b) == ("cpu", "tdtest")) == pieces
+
+
 def test_a_pinned_source_is_sent_as_it_is(pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """Never read on the host: its copy is ordered on the stream, after any write queued to it."""
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, device=None: True)

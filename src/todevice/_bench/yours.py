@@ -116,22 +116,25 @@ def _table(rows: tuple[Row, ...], to_move: bool = False) -> str:
 
 
 def difference(want: Any, got: Any) -> str | None:
-    """Where ``got`` differs from ``want`` (move()'s result): the first path whose type, tensor device, dtype, shape or
-    values differ, or whose other value is not equal; None where they agree."""
-    nodes = list(_walk.paths(want, revisit=True)), list(_walk.paths(got, revisit=True))
-    for (path, a), (other, b) in zip(*nodes):
+    """Where ``got`` differs from ``want`` (move()'s result): the first path, in ``want``'s order, that ``got`` lacks
+    or whose type, tensor device, dtype, shape or values differ, or whose other value is not equal; then a path
+    only ``got`` has. None where they agree: a dict whose keys come in another order is the same dict."""
+    mine, theirs = dict(_walk.paths(want, revisit=True)), dict(_walk.paths(got, revisit=True))
+    for path, a in mine.items():
         where = path or "the batch"
-        if path != other:
-            return f"{other or 'the batch'} where move() gives {where}"
+        if path not in theirs:
+            return f"{where} is missing: move() gives a {type(a).__qualname__} there"
+        b = theirs[path]
         if type(a) is not type(b):
             return f"{where} is a {type(b).__qualname__} where move() gives a {type(a).__qualname__}"
         if not isinstance(a, torch.Tensor) and _tree.kind_of(type(a)).code == _tree.ATOM and not _equal(a, b):
             return f"{where} is {b!r} where move() gives {a!r}"
-    if len(nodes[0]) != len(nodes[1]):
-        return f"it holds {len(nodes[1])} values where move()'s result holds {len(nodes[0])}"
-    tensors = list(_inspect._tensors(want)), list(_inspect._tensors(got))
-    for (path, a), (_, b) in zip(*tensors):
-        where = path or "the batch"
+    extra = next((path for path in theirs if path not in mine), None)
+    if extra is not None:
+        return f"it holds {extra or 'the batch'}, where move()'s result holds nothing"
+    tensors = dict(_inspect._tensors(got))
+    for path, a in _inspect._tensors(want):  # every path is in both: the walk above saw to that
+        where, b = path or "the batch", tensors[path]
         if (a.device, a.dtype, a.layout) != (b.device, b.dtype, b.layout):
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
         if a.layout != torch.strided or a.device.type == "meta":
@@ -140,9 +143,18 @@ def difference(want: Any, got: Any) -> str | None:
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
         if not torch.equal(a, b) and not (a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True)):
             return f"{where} holds other values than move() gives"
-    if len(tensors[0]) != len(tensors[1]):
-        return f"it holds {len(tensors[1])} tensors where move()'s result holds {len(tensors[0])}"
     return None
+
+
+def _checked(fn: Mover, batch: Any, dev: torch.device, want: Any) -> str | None:
+    """What is wrong with ``fn(copy of batch, dev)`` against ``want``, move()'s result; None where nothing is."""
+    given = _copy(batch)
+    before = _places(given)
+    try:
+        got = fn(given, dev)
+    except Exception as err:
+        return f"it raised {type(err).__name__}: {err}"
+    return "it changed the batch it was given, in place" if _places(given) != before else difference(want, got)
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -237,22 +249,16 @@ def bench(
     dev = _stream.resolve_device(device if device is not None else acc or "cpu")
     sync = (lambda: _stream.synchronize(dev)) if _stream.is_accelerator(dev) else (lambda: None)
     found, helper_name, missing = _contenders(helper)
-    want = todevice.move(batch, dev)
     forms = _forms(batch, dev)  # made before any contender runs: one that changes its batch changes only its copy
+    wants = {form: todevice.move(variant, dev) for form, variant in forms.items()}
     wrong: dict[str, str] = {}
     for cname, fn in list(found.items())[1:]:
-        given = _copy(batch)
-        before = _places(given)
-        try:
-            got = fn(given, dev)
-        except Exception as err:
-            why: str | None = f"it raised {type(err).__name__}: {err}"
-        else:
-            changed = _places(given) != before
-            why = "it changed the batch it was given, in place" if changed else difference(want, got)
-        if why is not None:
-            wrong[cname] = why
-            del found[cname]
+        for form, variant in forms.items():  # each form it is timed on, each on a copy
+            why = _checked(fn, variant, dev, wants[form])
+            if why is not None:
+                wrong[cname] = why if len(forms) == 1 else f"{form}: {why}"
+                del found[cname]
+                break
     yardstick = helper_name if helper_name in found else MOVE  # a wrong helper is no yardstick: then move() is
     rng = random.Random(0)
     rows = []
