@@ -732,3 +732,20 @@ def test_a_script_refuses_a_bad_argument_in_one_line(
         run_script(name, *args, monkeypatch=monkeypatch)
     assert exit.value.code == 2
     one_line_error(capsys.readouterr().err, expected)
+
+
+@pytest.mark.skipif(not (BENCH / "gpu_check.py").exists(), reason="not run from a checkout")
+def test_the_gpu_check_runs_its_steps_into_one_json_and_records_what_failed(tmp_path: Path) -> None:
+    """On a machine without CUDA the measuring steps fail, and the file says so; the info step runs."""
+    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--out", str(tmp_path), "--only", "info,staging"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=BENCH.parent)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    steps = report["steps"]
+    assert list(steps) == ["info", "staging"] and steps["info"]["exit_code"] == 0
+    assert "todevice" in steps["info"]["tail"] and report["seconds"] > 0
+    if not torch.cuda.is_available():
+        assert steps["staging"]["exit_code"] != 0 and steps["staging"]["figures"] is None
+    assert (tmp_path / "gpu-check.log").read_text().count("=====") == 2
+    bad = subprocess.run([*cmd[:2], "--only", "nothing"], capture_output=True, text=True, timeout=60, cwd=BENCH.parent)
+    assert bad.returncode == 2 and "no step nothing" in bad.stderr
