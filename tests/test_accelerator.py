@@ -79,11 +79,20 @@ def test_staged_tensors_keep_strides_and_values() -> None:
         torch.randn(1, 64, 128, 128).contiguous(memory_format=torch.channels_last),
         torch.randn(4000, 300)[:, ::3],
         torch.randn(1).expand(1 << 20),
+        torch.randn(10_000_003),  # 40 MB, contiguous: written and sent in pieces, the last one short
     ]
     for src in sources:
         out = todevice.move(src, dev)
         assert out.stride() == src.to(dev).stride()
         assert torch.equal(out.cpu(), src)
+
+
+def test_a_tensor_sent_in_pieces_is_cast_on_the_side_with_fewer_bytes() -> None:
+    dev = accelerator()
+    src = torch.randn(5_000_001)  # 20 MB of float32: three pieces of float16, or of float32 then cast
+    for dtype in (torch.float16, torch.float64):
+        out = todevice.move(src, dev, dtype=dtype)
+        assert out.dtype == dtype and torch.equal(out.cpu(), src.to(dtype))
 
 
 def test_tensor_already_on_the_accelerator_is_the_same_object() -> None:
