@@ -54,7 +54,7 @@ def _run(cmd: list[str], limit: float, log: Any, cwd: str | None = None) -> dict
     return {"command": cmd, "exit_code": rc, "seconds": round(time.perf_counter() - start, 1), "tail": out[-3000:]}
 
 
-def _step(name: str, args: argparse.Namespace, scratch: Path, limit: float, log: Any) -> dict[str, Any]:
+def _step(name: str, args: argparse.Namespace, scratch: Path, limit: float, log: Any, save: Any) -> dict[str, Any]:
     py = sys.executable
     if name == "info":
         return _run([py, "-m", "todevice", "info"], limit, log)
@@ -75,7 +75,16 @@ def _step(name: str, args: argparse.Namespace, scratch: Path, limit: float, log:
     if not probes:
         return {"skipped": "no --probes folder with probe_*.py scripts given"}
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path("src").resolve()), os.environ.get("PYTHONPATH")]))
-    return {p.stem: _run([py, p.name], LIMITS["probes"], log, cwd=str(p.parent)) for p in probes}
+    done: dict[str, Any] = {}
+    start = time.perf_counter()
+    for p in probes:  # each within what is left of the step's time, the file saved after each
+        left = limit - (time.perf_counter() - start)
+        if left < 10:
+            done[p.stem] = {"skipped": "the budget was spent"}
+            continue
+        done[p.stem] = _run([py, p.name], min(LIMITS["probes"], left), log, cwd=str(p.parent))
+        save(done)
+    return done
 
 
 # ---------------------------------------------------------------- the measurements, each in a process of its own
@@ -185,12 +194,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch, open(out / "gpu-check.log", "w") as log:
         for name in steps:
             left = args.budget - (time.perf_counter() - start)
+
+            def save(result: dict[str, Any], name: str = name) -> None:
+                report["steps"][name] = result
+                report["seconds"] = round(time.perf_counter() - start, 1)
+                (out / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str))
+
             if left < 10:
-                report["steps"][name] = {"skipped": f"the budget of {args.budget:.0f} s was spent"}
+                save({"skipped": f"the budget of {args.budget:.0f} s was spent"})
             else:
-                report["steps"][name] = _step(name, args, Path(scratch), min(LIMITS[name], left), log)
-            report["seconds"] = round(time.perf_counter() - start, 1)
-            (out / "gpu-check.json").write_text(json.dumps(report, indent=1, default=str))
+                limit = left if name == "probes" else min(LIMITS[name], left)  # probes: each has its own limit
+                save(_step(name, args, Path(scratch), limit, log, save))
             print(f"{name}: {report['steps'][name].get('exit_code', '-')} at {report['seconds']} s", flush=True)
     return 0
 

@@ -6,8 +6,8 @@
 # Run from the repository root. The checkout's src/ is imported, not an installed todevice. Where optree is not
 # installed, WHEELS=DIR names a folder holding its wheel, installed into a folder of its own first.
 set -u
-out=${1:-gpu-check}
-shift $(( $# > 0 ? 1 : 0 ))
+out=gpu-check
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then out=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
 export PYTHONUNBUFFERED=1
 if ! python3 -c "import optree" 2>/dev/null; then

@@ -87,9 +87,9 @@ def test_staged_tensors_keep_strides_and_values() -> None:
         assert torch.equal(out.cpu(), src)
 
 
-def test_a_tensor_sent_in_pieces_is_cast_on_the_side_with_fewer_bytes() -> None:
+def test_a_tensor_sent_in_pieces_keeps_its_values_when_cast() -> None:
     dev = accelerator()
-    src = torch.randn(5_000_001)  # 20 MB of float32: three pieces of float16, or of float32 then cast
+    src = torch.randn(5_000_001)  # 20 MB of float32: two pieces of float16, or three of float32 cast after
     for dtype in (torch.float16, torch.float64):
         out = todevice.move(src, dev, dtype=dtype)
         assert out.dtype == dtype and torch.equal(out.cpu(), src.to(dtype))

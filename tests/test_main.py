@@ -12,6 +12,7 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -735,17 +736,62 @@ def test_a_script_refuses_a_bad_argument_in_one_line(
 
 
 @pytest.mark.skipif(not (BENCH / "gpu_check.py").exists(), reason="not run from a checkout")
-def test_the_gpu_check_runs_its_steps_into_one_json_and_records_what_failed(tmp_path: Path) -> None:
-    """On a machine without CUDA the measuring steps fail, and the file says so; the info step runs."""
-    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--out", str(tmp_path), "--only", "info,staging"]
+def test_the_gpu_check_runs_its_steps_into_one_json_and_refuses_an_unknown_step(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--out", str(tmp_path), "--only", "info"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    steps = report["steps"]
-    assert list(steps) == ["info", "staging"] and steps["info"]["exit_code"] == 0
-    assert "todevice" in steps["info"]["tail"] and report["seconds"] > 0
-    if not torch.cuda.is_available():
-        assert steps["staging"]["exit_code"] != 0 and steps["staging"]["figures"] is None
-    assert (tmp_path / "gpu-check.log").read_text().count("=====") == 2
+    assert list(report["steps"]) == ["info"] and report["steps"]["info"]["exit_code"] == 0
+    assert "todevice" in report["steps"]["info"]["tail"] and report["seconds"] > 0
+    assert (tmp_path / "gpu-check.log").read_text().count("=====") == 1
     bad = subprocess.run([*cmd[:2], "--only", "nothing"], capture_output=True, text=True, timeout=60, cwd=BENCH.parent)
     assert bad.returncode == 2 and "no step nothing" in bad.stderr
+
+
+class _InProcessLoader:
+    """A DataLoader that collates in this process: the table's timing loop, without starting workers."""
+
+    def __init__(self, data: Any, batch_size: int, collate_fn: Any = None, **_: Any) -> None:
+        from torch.utils.data import default_collate
+
+        self.data, self.size, self.collate = data, batch_size, collate_fn or default_collate
+
+    def __iter__(self) -> Any:
+        for start in range(0, len(self.data), self.size):
+            yield self.collate([self.data[i] for i in range(start, start + self.size)])
+
+
+@pytest.mark.parametrize(("seconds", "timed"), [(0.0, _bench.host.MIN_BATCHES), (None, 6)])
+def test_a_loader_stops_once_its_time_is_up_and_its_least_batches_came(
+    monkeypatch: pytest.MonkeyPatch, seconds: float | None, timed: int
+) -> None:
+    monkeypatch.setattr(torch.utils.data, "DataLoader", _InProcessLoader)
+    rows = _bench.loader_rows(batches=7, batch_size=2, seconds=seconds)  # the first batch is not timed: 6 are
+    assert [r["batches_timed"] for r in rows] == [timed] * 6
+
+
+def test_a_row_runs_fewer_rounds_where_its_rounds_would_pass_its_time_but_never_under_the_least() -> None:
+    def slow() -> None:
+        time.sleep(0.02)
+
+    assert _bench.host._rounds({"a": slow}, 30, None) == 30  # no time limit: every round
+    assert _bench.host._rounds({"a": slow, "b": slow}, 30, 0.2) == _bench.host.MIN_ROUNDS  # 0.04 s a round
+    assert _bench.host._rounds({"a": slow}, 30, 0.5) == pytest.approx(23, abs=4)  # about 25 fit
+    assert _bench.host._rounds({"a": lambda: None}, 30, 1.0) == 30
+    assert _bench.host._rounds({"a": slow}, 4, 0.0) == 4  # asked for fewer than the least: as asked
+
+
+def test_without_rounds_or_batches_the_bench_limits_rows_and_loaders(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def bench(*args: Any) -> int:
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(todevice.__main__, "bench", bench)
+    assert main(["bench"]) == 0
+    assert seen["args"][:2] == (30, 20) and seen["args"][-2:] == (1.0, 1.0)
+    assert main(["bench", "--rounds", "5", "--batches", "3"]) == 0
+    assert seen["args"][:2] == (5, 3) and seen["args"][-2:] == (None, None)

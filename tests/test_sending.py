@@ -6,7 +6,11 @@ follows from the measured limits named in ``_layout``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from todevice import _layout
 from todevice._layout import Sending
@@ -70,3 +74,40 @@ def test_the_plan_is_a_pure_function() -> None:
     for c in reversed(CASES):
         _layout.sending(*c[1:5], True)
     assert [_layout.sending(*c[1:5], None) for c in CASES] == first
+
+
+# ---------------------------------------------------------------- staged tensors, in pieces
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "pieces"),
+    [
+        (lambda: torch.randn(2500), torch.float32, 3),  # 10,000 bytes: 1,024 + 1,024 + 452 elements
+        (lambda: torch.randn(50, 50).t(), torch.float32, 3),  # dense, transposed: in memory order, as its target
+        (lambda: torch.randn(1, 4, 25, 25).contiguous(memory_format=torch.channels_last), torch.float64, 3),
+        (lambda: torch.randn(2500), torch.float16, 2),  # cast on the host, before it is sent: 2,048 halves a piece
+        (lambda: torch.randn(1000), torch.float32, 1),  # 4,000 bytes: one piece
+    ],
+    ids=["contiguous", "transposed", "channels-last, cast after", "cast before", "one piece"],
+)
+def test_a_staged_tensor_goes_in_pieces_each_sent_before_the_next_is_written(
+    monkeypatch: pytest.MonkeyPatch, make: Any, dtype: torch.dtype, pieces: int
+) -> None:
+    """``send_staged`` on the host, a plain host block standing in for pinned memory: each piece written into the
+    block, then copied out of it, in that order, with the target's strides kept and its values right."""
+    monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_layout._stream, "pinned", lambda n, dt, dev: torch.empty(n, dtype=dt))
+    src = make()
+    out = torch.empty_like(src, dtype=dtype)  # as stage() makes each target: the source's strides where dense
+    block: list[int] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.__name__.split(".")[0] == "copy_":  # into the block (its storage), or out of it
+                block.append(int(args[0].untyped_storage().data_ptr() != out.untyped_storage().data_ptr()))
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        assert _layout.send_staged([(src, out)])
+    assert block == [1, 0] * pieces  # written, sent, written, sent...
+    assert out.stride() == src.stride() and torch.equal(out, src.to(dtype))

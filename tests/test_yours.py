@@ -265,3 +265,43 @@ def test_a_helper_is_checked_on_every_form_of_the_batch_it_is_timed_on(monkeypat
         "shape (3,) on meta"
     )
     assert name not in {row.contender for row in report.rows}
+
+
+class _Pair:
+    """An object that moves itself, as a model's input wrapper may: the walk does not look inside it."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.__dict__.update(tensors)
+
+    def to(self, device: Any) -> _Pair:
+        return _Pair(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+@pytest.mark.parametrize(
+    ("got", "says"),
+    [
+        ({"m": torch.nn.Linear(2, 2, bias=False)}, "['m'].bias is missing: move() gives a torch.float32 tensor"),
+        ({"m": _Pair(a=torch.ones(2))}, "['m'].b is missing"),
+        ({"m": _Pair(a=torch.ones(2), b=torch.zeros(1), c=torch.ones(1))}, "it holds a torch.float32 tensor of shape"),
+    ],
+    ids=["module", "object missing", "object extra"],
+)
+def test_tensors_inside_what_moves_itself_are_compared_too(got: Any, says: str) -> None:
+    torch.manual_seed(0)
+    want = (
+        {"m": torch.nn.Linear(2, 2)}
+        if isinstance(got["m"], torch.nn.Module)
+        else {"m": _Pair(a=torch.ones(2), b=torch.zeros(1))}
+    )
+    why = yours.difference(want, got)
+    assert why is not None and says in why, why
+
+
+def test_a_helper_that_drops_a_tensor_inside_an_object_is_reported_not_raised() -> None:
+    def drops(batch: Any, device: Any) -> Any:
+        return {"x": batch["x"].to(device), "p": _Pair(a=batch["p"].a.to(device))}
+
+    report = todevice.bench(
+        {"x": torch.ones(2), "p": _Pair(a=torch.ones(2), b=torch.zeros(1))}, "meta", helper=drops, rounds=3
+    )
+    assert any(why.startswith("['p'].b is missing") for why in report.wrong.values()), report.wrong

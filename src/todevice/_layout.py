@@ -394,8 +394,8 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
     One allocation from the caching host allocator for all of them (which hands the block out again once
     the copies from it have finished), one host memcpy and one asynchronous copy each, and no wait: the
-    host returns once the copies are queued. A contiguous tensor over ``STAGE_CHUNK_BYTES`` is written and
-    sent in pieces of that size, each piece's copy queued before the next is written. A cast is made on
+    host returns once the copies are queued. A tensor over ``STAGE_CHUNK_BYTES`` laid out as its target (dense,
+    with the target's strides, as ``stage()`` makes targets) is written and sent in pieces of that size, each piece's copy queued before the next is written. A cast is made on
     the side with fewer bytes. False, with nothing copied, where no pinned memory could be had.
     """
     plan: list[tuple[int, torch.dtype]] = []
@@ -418,8 +418,9 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
             src = src.resolve_neg().resolve_conj()
         target = out.as_strided((n,), (1,), out.storage_offset())  # out is dense: one span of n
         starts = pieces(n, sent.itemsize)
-        if len(starts) > 1 and src.is_contiguous() and out.is_contiguous():
-            source, step = src.reshape(n), starts.step  # a view: the same elements, in the same order
+        if len(starts) > 1 and src.stride() == out.stride():  # dense too, then (channels-last images, say)
+            # Both in memory order: the same elements, in the same order, as one span of n each.
+            source, step = src.as_strided((n,), (1,), src.storage_offset()), starts.step
             for lo in starts:
                 flat[lo : lo + step].copy_(source[lo : lo + step])
                 target[lo : lo + step].copy_(flat[lo : lo + step], non_blocking=True)

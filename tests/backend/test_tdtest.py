@@ -490,7 +490,8 @@ def test_a_large_staged_tensor_is_written_and_sent_piece_by_piece(
     ("make", "dtype", "pieces"),
     [
         (lambda: torch.randn(2500), torch.float16, 2),  # cast on the host: 2,048 halves a piece
-        (lambda: torch.randn(50, 50).t(), None, 1),  # not contiguous: written whole, in the target's layout
+        (lambda: torch.randn(50, 50).t(), None, 1),  # tdtest's targets are contiguous, this is not: written whole
+        (lambda: torch.randn(60, 60)[:, ::2], None, 1),  # with gaps: written whole, laid out as its target is
         (lambda: torch._neg_view(torch.randn(2500)), None, 3),  # a lazy negation, resolved before the pieces
     ],
 )

@@ -255,11 +255,11 @@ def overhead_verdict(rows: Rows) -> str:
         groups.setdefault((r["target"], r["target_x_helper"]), []).append(r)
     parts = []
     for (target, goal), group in sorted(groups.items(), key=lambda g: (g[0][0], min(r["tensors"] for r in g[1]))):
-        x = [r["x_vs_move"][HELPER] for r in group]
+        x = [quartiles(r, HELPER)[1] for r in group]
         met = sum(v >= goal for v in x)
         span = _span([r["tensors"] for r in group])
         parts.append(f"{target}, {span}, >= {goal:.2f}x: {_range(x)}, {met} of {len(group)} met")
-    met = sum(r["x_vs_move"][HELPER] >= r["target_x_helper"] for r in rows)
+    met = sum(quartiles(r, HELPER)[1] >= r["target_x_helper"] for r in rows)
     outcome = "met" if met == len(rows) else "not met"
     line = (
         f"Target: move() at or above each row's target against the hand-written helper: {outcome}, "
@@ -267,7 +267,7 @@ def overhead_verdict(rows: Rows) -> str:
     )
     peers = []
     for name in PEERS:
-        x = [r["x_vs_move"][name] for r in rows if name in r["x_vs_move"]]
+        x = [quartiles(r, name)[1] for r in rows if name in r["x_vs_move"]]
         if x:
             peers.append(f"than {name} in {sum(v > 1 for v in x)} of {len(x)} rows ({_range(x)})")
     return line + (f"; move() is faster {' and '.join(peers)}." if peers else ".")
@@ -388,13 +388,13 @@ def transfer_verdict(host: Rows) -> str:
     """
     by_name = {r["contender"]: r for r in host}
     judged = [by_name[name] for name in ("pack(batch).unpack()", "move(batch, 'meta', coalesce=True)")]
-    met = "met" if all(r["x_per_leaf_to"] <= PACK_TARGET for r in judged) else "not met"
-    figures = "; ".join(f"{r['contender']}: {r['x_per_leaf_to']:.2f}x" for r in judged)
+    met = "met" if all(_per_leaf(r)[1] <= PACK_TARGET for r in judged) else "not met"
+    figures = "; ".join(f"{r['contender']}: {_per_leaf(r)[1]:.2f}x" for r in judged)
     ours, theirs = by_name["move(batch, out=static)"], by_name["per-tensor copy_() into meta"]
     return (
         f"Target: pack(batch).unpack() and move(batch, 'meta', coalesce=True) at most {PACK_TARGET:.1f}x per-leaf "
         f".to('meta'): {met} ({figures}); move(batch, out=static) took {ours['median_us']:.0f} us against "
-        f"{theirs['median_us']:.0f} us for per-tensor copy_() into meta ({ours['x_per_leaf_to']:.2f}x), which has "
+        f"{theirs['median_us']:.0f} us for per-tensor copy_() into meta ({_per_leaf(ours)[1]:.2f}x), which has "
         "no target on the host."
     )
 
@@ -494,7 +494,7 @@ def loader_rows(
     rows: list[dict[str, Any]] = []
     for fields in (10, 100, 400):
         data = _ManySmall(fields, batches * batch_size)
-        results: dict[str, tuple[float, int]] = {}
+        results: dict[str, tuple[float, int, int]] = {}
         for name in ("default_collate", "todevice.collate() + prefetch(..., 'cpu')", "default_collate again"):
             ours = name.startswith("todevice")
             loader = DataLoader(
@@ -512,13 +512,13 @@ def loader_rows(
             for _ in source:
                 count += 1
                 took = time.perf_counter() - start
-                if count >= batches or (seconds is not None and count >= MIN_BATCHES and took > seconds):
+                if seconds is not None and count >= MIN_BATCHES and took > seconds:
                     break
-            results[name] = (count / took, segments)
+            results[name] = (count / took, segments, count)
             del source, batches_in  # the workers stop here, not during the next loader's timing
         runs = [results["default_collate"][0], results["default_collate again"][0]]
         plain = statistics.median(runs)
-        for name, (rate, segments) in results.items():
+        for name, (rate, segments, timed) in results.items():
             if name == "default_collate again":
                 continue
             rows.append(
@@ -529,6 +529,7 @@ def loader_rows(
                     "x_default_collate": rate / plain,
                     "x_default_collate_range": [rate / max(runs), rate / min(runs)],
                     "segments_per_batch": segments,
+                    "batches_timed": timed,
                 }
             )
     return rows
@@ -610,17 +611,16 @@ def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
             m(x)
         times = interleaved({name: functools.partial(m, x) for name, m in models.items()}, rounds, rng)
     hooks.remove()
-    base = statistics.median(times["no guard"])
     rows = []
     for name, t in times.items():
-        added = [(a - b) * 1e6 for a, b in zip(t, times["no guard"])]  # each round's time over the plain model's
+        added = _quartiles([(a - b) * 1e6 for a, b in zip(t, times["no guard"])])  # over the plain model, per round
         rows.append(
             {
                 "contender": name,
                 "median_us": statistics.median(t) * 1e6,
-                "overhead_us": (statistics.median(t) - base) * 1e6,
-                "overhead_us_per_hook": (statistics.median(t) - base) * 1e6 / 8,
-                "overhead_us_spread": _quartiles(added),
+                "overhead_us": added[1],
+                "overhead_us_per_hook": added[1] / 8,
+                "overhead_us_spread": added,
             }
         )
     return rows
@@ -658,6 +658,6 @@ def guard_main(rounds: int = 200, part: tuple[int, int] = (1, 1)) -> dict[str, A
         cells.append([r["contender"], f"{r['median_us']:.1f}", overhead, f"{low:+.1f} to {high:+.1f}", per_hook])
     title = (
         f"{GUARD} per forward call: an MLP of 8 Linear(64, 64) + ReLU, batch of 4, CPU (medians). 'overhead' is the "
-        "time over the unguarded model's, with the middle half of the per-round differences beside it."
+        "median of the per-round differences from the unguarded model's time, with their middle half beside it."
     )
     return {"rows": rows, "verdicts": report(title, columns, cells, GUARD, guard_verdict(rows))}

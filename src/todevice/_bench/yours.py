@@ -132,9 +132,17 @@ def difference(want: Any, got: Any) -> str | None:
     extra = next((path for path in theirs if path not in mine), None)
     if extra is not None:
         return f"it holds {extra or 'the batch'}, where move()'s result holds nothing"
-    tensors = dict(_inspect._tensors(got))
-    for path, a in _inspect._tensors(want):  # every path is in both: the walk above saw to that
-        where, b = path or "the batch", tensors[path]
+    # The tensors again, by path: these paths reach inside what the walk moves whole (a module, an object
+    # with its own .to()), which may hold a tensor more or less.
+    mine_t, theirs_t = dict(_inspect._tensors(want)), dict(_inspect._tensors(got))
+    missing = next((path for path in mine_t if path not in theirs_t), None)
+    if missing is not None:
+        return f"{missing or 'the batch'} is missing: move() gives {_described(mine_t[missing])} there"
+    extra = next((path for path in theirs_t if path not in mine_t), None)
+    if extra is not None:
+        return f"it holds {_described(theirs_t[extra])} at {extra or 'the batch'}, where move()'s result holds none"
+    for path, a in mine_t.items():
+        where, b = path or "the batch", theirs_t[path]
         if (a.device, a.dtype, a.layout) != (b.device, b.dtype, b.layout):
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
         if a.layout != torch.strided or a.device.type == "meta":
