@@ -395,8 +395,9 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     One allocation from the caching host allocator for all of them (which hands the block out again once
     the copies from it have finished), one host memcpy and one asynchronous copy each, and no wait: the
     host returns once the copies are queued. A tensor over ``STAGE_CHUNK_BYTES`` laid out as its target (dense,
-    with the target's strides, as ``stage()`` makes targets) is written and sent in pieces of that size, each piece's copy queued before the next is written. A cast is made on
-    the side with fewer bytes. False, with nothing copied, where no pinned memory could be had.
+    with the target's strides, as ``stage()`` makes targets) is written and sent in pieces of that size, each
+    piece's copy queued before the next is written. A cast is made on the side with fewer bytes. False, with
+    nothing copied, where no pinned memory could be had.
     """
     plan: list[tuple[int, torch.dtype]] = []
     total = 0
