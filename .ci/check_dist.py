@@ -20,6 +20,10 @@ def main(dist: Path) -> int:
         meta = email.message_from_bytes(zf.read(meta_name))
     if not any(n.endswith(".dist-info/licenses/LICENSE") for n in names):
         problems.append(f"{wheel.name}: no LICENSE under .dist-info/licenses/")
+    src = Path(__file__).resolve().parent.parent / "src"
+    modules = {path.relative_to(src).as_posix() for path in (src / "todevice").rglob("*.py")}
+    if missing := sorted(modules - set(names)):
+        problems.append(f"{wheel.name}: modules missing {missing}")
     if "todevice/py.typed" not in names:
         problems.append(f"{wheel.name}: no todevice/py.typed")
     if meta["License-Expression"] != "Apache-2.0" or meta["License-File"] != "LICENSE":
