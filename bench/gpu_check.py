@@ -91,9 +91,8 @@ def _step(name: str, args: argparse.Namespace, scratch: Path, limit: float, log:
 
 
 def _staging() -> dict[str, Any]:
-    """The staged copy at each piece size, beside one pinned copy of the same bytes, and the host's memcpy rate."""
-    import statistics
-
+    """The staged copy at each piece size, beside one pinned copy of the same bytes, and the host's memcpy rate: medians
+    of interleaved rounds, timed as the accelerator's tables time them (``todevice._bench.device._timed``)."""
     import torch
 
     import todevice
@@ -102,54 +101,49 @@ def _staging() -> dict[str, Any]:
 
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = torch.cuda.synchronize
-
-    def median_ms(fn: Any, rounds: int = 10, queued: int = 0) -> tuple[float, float]:
-        """Host ms until ``fn`` returns and until its copies finished, medians (``queued`` GPU cycles before each)."""
-        host, e2e = [], []
-        fn()
-        for _ in range(rounds):
-            sync()
-            if queued:
-                tables._sleep(queued)
-            start = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - start)
-            sync()
-            e2e.append(time.perf_counter() - start)
-        return statistics.median(host) * 1e3, statistics.median(e2e) * 1e3
-
     pinned = torch.empty(128 * MiB, dtype=torch.uint8, pin_memory=True).random_(0, 255)
-    _, one_copy = median_ms(lambda: pinned.to(dev, non_blocking=True))
+    one_copy = tables._timed({"copy": lambda: pinned.to(dev, non_blocking=True)}, 10)["copy"]
     src = torch.randn(4 * MiB)  # 16 MiB, pageable
-    out: dict[str, Any] = {"one_pinned_copy_128MiB_ms": one_copy, "link_gb_per_s": pinned.nbytes / one_copy / 1e6}
+    out: dict[str, Any] = {"one_pinned_copy_128MiB_ms": one_copy * 1e3, "link_gb_per_s": pinned.nbytes / one_copy / 1e9}
     rates = {}
     for threads in sorted({1, torch.get_num_threads()}):
         torch.set_num_threads(threads)
         view = pinned[: src.nbytes].view(torch.float32)
-        ms, _ = median_ms(lambda view=view: view.copy_(src))
-        rates[f"{threads} threads"] = src.nbytes / ms / 1e6
+        seconds = tables._timed({"write": lambda view=view: view.copy_(src)}, 10, end_to_end=False)["write"]
+        rates[f"{threads} threads"] = src.nbytes / seconds / 1e9
     torch.set_num_threads(max(int(k.split()[0]) for k in rates))
     out["host_memcpy_into_pinned_gb_per_s"] = rates
     cycles = tables._sleep_cycles(50.0)
+
+    def queue_work() -> None:
+        sync()
+        tables._sleep(cycles)
+
+    def moved(batch: list[Any], piece: int | None) -> Any:
+        def call() -> None:
+            _layout.STAGE_CHUNK_BYTES = piece if piece is not None else 1 << 62
+            todevice.move(batch, dev)
+
+        return call
+
     batches = {"8 x 16 MiB": [torch.randn(4 * MiB) for _ in range(8)], "1 x 128 MiB": [torch.randn(32 * MiB)]}
-    rows = []
-    for piece in PIECES:
-        _layout.STAGE_CHUNK_BYTES = piece if piece is not None else 1 << 62
-        for name, batch in batches.items():
-            host, e2e = median_ms(lambda batch=batch: todevice.move(batch, dev))
-            blocked, _ = median_ms(lambda batch=batch: todevice.move(batch, dev), rounds=5, queued=cycles)
-            rows.append(
-                {
-                    "batch": name,
-                    "piece_mib": None if piece is None else piece // MiB,
-                    "host_ms": host,
-                    "end_to_end_ms": e2e,
-                    "of_one_pinned_copy": one_copy / e2e,
-                    "host_ms_with_50ms_queued": blocked,
-                }
-            )
-            print(rows[-1], flush=True)
-    out["rows"] = rows
+    cells = {f"{name}, {piece}": (name, piece) for piece in PIECES for name in batches}
+    calls = {key: moved(batches[name], piece) for key, (name, piece) in cells.items()}  # every size, interleaved
+    e2e = tables._timed(calls, 10)
+    host = tables._timed(calls, 10, setup=sync, end_to_end=False)
+    blocked = tables._timed(calls, 5, setup=queue_work, end_to_end=False)
+    out["rows"] = [
+        {
+            "batch": name,
+            "piece_mib": None if piece is None else piece // MiB,
+            "host_ms": host[key] * 1e3,
+            "end_to_end_ms": e2e[key] * 1e3,
+            "of_one_pinned_copy": one_copy / e2e[key],
+            "host_ms_with_50ms_queued": blocked[key] * 1e3,
+        }
+        for key, (name, piece) in cells.items()
+    ]
+    print(json.dumps(out["rows"], indent=1), flush=True)
     return out
 
 

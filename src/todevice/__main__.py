@@ -35,8 +35,8 @@ DEVICE_ROUNDS = 10  # --device runs at most this many rounds: its tables take mi
 # Without --rounds, a row of the first table whose rounds would take longer than this runs fewer (the 10,000-tensor
 # rows: 0.1 to 0.4 s a round on a 2-core machine), which brings the default run to about 30 s there.
 ROW_SECONDS = 1.0
-# Without --batches, a DataLoader is timed for at most this long once 5 batches came: default_collate takes 0.25 s a
-# batch at 400 tensors per sample there, so its 20 batches would take 5 s, twice.
+# Without --batches, a DataLoader is timed for at most this long once _bench.host.MIN_BATCHES batches came:
+# default_collate takes 0.25 s a batch at 400 tensors per sample on a 2-core machine, so 20 would take 5 s, twice.
 LOADER_SECONDS = 1.0
 TESTS_TIMEOUT = 240  # seconds for tests/test_accelerator.py, after the tables
 
@@ -181,7 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for option, note in (
         ("rounds", f"{budget}; at most {DEVICE_ROUNDS} with --device"),
-        ("batches", f"; without --batches, a loader stops after {LOADER_SECONDS:g} s once 5 came; not with --device"),
+        (
+            "batches",
+            f"; without --batches, a loader stops after {LOADER_SECONDS:g} s once {_bench.host.MIN_BATCHES} came; "
+            "not with --device",
+        ),
     ):
         default = DEFAULTS[option]
         parse, text = _bench.OPTIONS[option]

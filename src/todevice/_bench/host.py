@@ -537,12 +537,10 @@ def loader_rows(
 
 def _loader_figure(row: dict[str, Any]) -> str:
     """``2.62x (2.50 to 2.75)``: a rate over default_collate's median, and over each of its two runs."""
-    x = f"{row['x_default_collate']:.2f}x"
-    return (
-        f"{x} ({row['x_default_collate_range'][0]:.2f} to {row['x_default_collate_range'][1]:.2f})"
-        if ("x_default_collate_range" in row)
-        else x
-    )
+    if "x_default_collate_range" not in row:
+        return f"{row['x_default_collate']:.2f}x"
+    low, high = row["x_default_collate_range"]
+    return _figure([low, row["x_default_collate"], high], "")
 
 
 LOADER = "DataLoader"
