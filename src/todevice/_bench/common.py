@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -168,6 +169,21 @@ def interleaved(
     finally:
         gc.enable()
     return times
+
+
+def quartiles_of(values: Sequence[float]) -> list[float]:
+    """The 25th, 50th and 75th percentiles of ``values`` (one value, three times)."""
+    return statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else list(values) * 3
+
+
+def standing(low: float, high: float) -> str:
+    """A ratio (the other's time over this one's) by the middle half of its rounds, ``low`` to ``high``: "faster" where
+    it lies above 1.0x, "slower" where below, "no measurable difference" where it holds 1.0x."""
+    if low > 1.0:
+        return "faster"
+    if high < 1.0:
+        return "slower"
+    return "no measurable difference"
 
 
 def _repeat(fn: Callable[[Any, torch.device], Any], trees: Sequence[Any], dev: torch.device) -> Callable[[], None]:

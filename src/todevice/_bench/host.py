@@ -38,9 +38,11 @@ from todevice._bench.common import (
     mixed_small_batch,
     nested_batch,
     progress,
+    quartiles_of,
     recursive_to_device,
     report,
     small_batches,
+    standing,
     tensor_leaves,
 )
 
@@ -118,12 +120,7 @@ def _row(
 
 def _per_round(times: dict[str, list[float]], over: str) -> dict[str, list[float]]:
     """Each function's time over ``over``'s in the same round: the quartiles of these ratios over the rounds."""
-    return {name: _quartiles([a / b for a, b in zip(t, times[over])]) for name, t in times.items()}
-
-
-def _quartiles(values: list[float]) -> list[float]:
-    """The 25th, 50th and 75th percentiles of ``values`` (one value, three times)."""
-    return statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {name: quartiles_of([a / b for a, b in zip(t, times[over])]) for name, t in times.items()}
 
 
 def _history_rows(
@@ -226,9 +223,10 @@ def answer(rows: Rows) -> str:
     ]
     for target, group in groups.items():
         q = {r["batch"]: quartiles(r, HELPER) for r in group}
-        faster = sorted((b for b in q if q[b][0] > 1.0), key=lambda b: q[b][1])
-        slower = sorted((b for b in q if q[b][2] < 1.0), key=lambda b: q[b][1])
-        even = [b for b in q if b not in faster and b not in slower]
+        by = {b: standing(low, high) for b, (low, _, high) in q.items()}
+        faster = sorted((b for b in q if by[b] == "faster"), key=lambda b: q[b][1])
+        slower = sorted((b for b in q if by[b] == "slower"), key=lambda b: q[b][1])
+        even = [b for b in q if by[b] == "no measurable difference"]
         said = []
         if faster:
             low, high = faster[0], faster[-1]
@@ -290,7 +288,7 @@ def main(
     progress(part, f"{OVERHEAD}: {len(funcs)} contenders, {batches} batches to cpu and to meta, 5 more rows, {each}")
     rows = run(rounds=rounds, sizes=sizes, row_seconds=row_seconds)
     print(f"{OVERHEAD}.\n{answer(rows)}")
-    if any(quartiles(r, HELPER)[2] < 1.0 for r in rows):  # a row answer() names as slower
+    if "slower" in (standing(q[0], q[2]) for q in (quartiles(r, HELPER) for r in rows)):  # as answer() names one
         print(
             "Where move() is slower, it does what the helper does not: it moves the dataclass's tensors (see "
             "'tensors moved'), keeps tensors that share memory sharing it, and never changes the batch."
@@ -611,7 +609,7 @@ def guard_rows(rounds: int = 200, seed: int = 0) -> list[dict[str, Any]]:
     hooks.remove()
     rows = []
     for name, t in times.items():
-        added = _quartiles([(a - b) * 1e6 for a, b in zip(t, times["no guard"])])  # over the plain model, per round
+        added = quartiles_of([(a - b) * 1e6 for a, b in zip(t, times["no guard"])])  # over the plain model, per round
         rows.append(
             {
                 "contender": name,

@@ -22,7 +22,15 @@ import torch
 
 import todevice
 from todevice import _inspect, _stream, _tree, _walk
-from todevice._bench.common import HELPER, PEERS, _per_sample, contenders, recursive_to_device
+from todevice._bench.common import (
+    HELPER,
+    PEERS,
+    _per_sample,
+    contenders,
+    quartiles_of,
+    recursive_to_device,
+    standing,
+)
 
 Mover = Callable[[Any, torch.device], Any]
 MOVE = "todevice.move"
@@ -43,11 +51,7 @@ class Row:
     @property
     def verdict(self) -> str:
         """ "faster" or "slower" than the helper, or "no measurable difference" where the middle half holds 1.0x."""
-        if self.low > 1.0:
-            return "faster"
-        if self.high < 1.0:
-            return "slower"
-        return "no measurable difference"
+        return standing(self.low, self.high)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +285,7 @@ def bench(
         base = [e2e for _, e2e in samples[yardstick]]
         for cname, got in samples.items():
             ratios = [b / e2e for b, (_, e2e) in zip(base, got)]
-            q = statistics.quantiles(ratios, n=4, method="inclusive")
+            q = quartiles_of(ratios)
             host, e2e = (statistics.median(x) * 1e6 for x in zip(*got))
             rows.append(Row(form, cname, host, e2e, statistics.median(ratios), q[0], q[2]))
     tensors = list(_inspect._tensors(batch))
