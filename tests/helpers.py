@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
 from todevice import _traced
@@ -353,3 +354,21 @@ def corpus() -> dict[str, Any]:
         "dict-of-objects": {"r": Record(t), "s": {t}, "l": TaggedList("tag", [t]), "n": None, "x": [t.t(), 1]},
         "empty-tensors": {"a": torch.empty(0), "b": torch.empty(0, 2)},
     }
+
+
+class Copies(TorchDispatchMode):
+    """Every ``copy_`` dispatched, in order, as (target, source): the order of writes and copies across a boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.__name__.split(".")[0] == "copy_":
+            self.pairs.append((args[0], args[1]))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def log(self) -> list[tuple[str, str, int]]:
+        """Each copy as (from, to, elements): the devices' types and the target's elements."""
+        return [(src.device.type, dst.device.type, dst.numel()) for dst, src in self.pairs]

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests import helpers
 from todevice import _layout
 from todevice._layout import Sending
 
@@ -99,15 +99,9 @@ def test_a_staged_tensor_goes_in_pieces_each_sent_before_the_next_is_written(
     monkeypatch.setattr(_layout._stream, "pinned", lambda n, dt, dev: torch.empty(n, dtype=dt))
     src = make()
     out = torch.empty_like(src, dtype=dtype)  # as stage() makes each target: the source's strides where dense
-    block: list[int] = []
-
-    class Copies(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func.__name__.split(".")[0] == "copy_":  # into the block (its storage), or out of it
-                block.append(int(args[0].untyped_storage().data_ptr() != out.untyped_storage().data_ptr()))
-            return func(*args, **(kwargs or {}))
-
-    with Copies():
+    copies = helpers.Copies()
+    with copies:
         assert _layout.send_staged([(src, out)])
-    assert block == [1, 0] * pieces  # written, sent, written, sent...
+    into_out = [dst.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for dst, _ in copies.pairs]
+    assert into_out == [False, True] * pieces  # written into the block, sent out of it, written, sent...
     assert out.stride() == src.stride() and torch.equal(out, src.to(dtype))

@@ -454,26 +454,13 @@ def test_a_staged_cast_sends_the_smaller_dtype(pinned_stand_in: list[int], dtype
     assert sum(pinned_stand_in) == 1000 * min(dtype.itemsize, 4)
 
 
-class Copies(TorchDispatchMode):
-    """Every copy_, as (from, to, elements): the order of the host's writes and the copies across."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple[str, str, int]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.__name__.split(".")[0] == "copy_":
-            self.log.append((args[1].device.type, args[0].device.type, args[0].numel()))
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_large_staged_tensor_is_written_and_sent_piece_by_piece(
     pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each piece's copy is queued before the next piece is written; a tensor of one piece is written, then sent."""
     monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 4096)  # 1,024 float32
     batch = {"a": torch.randn(2500), "b": torch.randn(3, 300)}  # 10,000 bytes, then 3,600
-    copies = Copies()
+    copies = helpers.Copies()
     with torch.inference_mode(), copies:
         there = todevice.move(batch, "tdtest", coalesce=False)
     host, across = ("cpu", "cpu"), ("cpu", "tdtest")
@@ -500,7 +487,7 @@ def test_pieces_keep_values_casts_and_layouts(
 ) -> None:
     monkeypatch.setattr(_layout, "STAGE_CHUNK_BYTES", 4096)
     src = make()
-    copies = Copies()
+    copies = helpers.Copies()
     with torch.inference_mode(), copies:
         there = todevice.move(src, "tdtest", dtype=dtype, coalesce=False)
         back = todevice.move(there, "cpu", non_blocking=False)
