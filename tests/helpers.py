@@ -14,7 +14,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
-from todevice import _traced
+from todevice import _layout, _traced
 from todevice.testing import FrozenRecord, FrozenSlotsRecord, SlotsRecord
 
 # A test of what dynamo traces: torch.compile traces move() from torch 2.11, and runs it outside the graph before.
@@ -78,6 +78,49 @@ class TaggedList(list):  # type: ignore[type-arg]
     def __init__(self, tag: str, items: Any = ()) -> None:
         super().__init__(items)
         self.tag = tag
+
+
+class TaggedTuple(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that is no namedtuple, whose constructor wants an extra argument, and which carries state."""
+
+    def __new__(cls, tag: Any, items: Any = ()) -> TaggedTuple:
+        out = super().__new__(cls, items)
+        out.tag = tag
+        return out
+
+    def __getnewargs__(self) -> tuple[Any, tuple[Any, ...]]:  # type: ignore[override]  # pickles as TaggedTuple(tag, items)
+        return self.tag, tuple(self)
+
+
+class TaggedDeque(collections.deque):  # type: ignore[type-arg]
+    def __init__(self, tag: Any, items: Any = (), maxlen: int | None = None) -> None:
+        super().__init__(items, maxlen)
+        self.tag = tag
+
+    def __reduce__(self) -> Any:  # pickles as TaggedDeque(tag, items, maxlen): deque's own passes the items first
+        return type(self), (self.tag, list(self), self.maxlen)
+
+
+class TaggedSet(set):  # type: ignore[type-arg]
+    def __init__(self, tag: Any, items: Any = ()) -> None:
+        super().__init__(items)
+        self.tag = tag
+
+    def __reduce__(self) -> Any:  # pickles as TaggedSet(tag, items): set's own passes the items first
+        return type(self), (self.tag, list(self))
+
+
+class TaggedFrozenset(frozenset):  # type: ignore[type-arg]
+    def __new__(cls, tag: Any, items: Any = ()) -> TaggedFrozenset:
+        out = super().__new__(cls, items)
+        out.tag = tag
+        return out
+
+    def __reduce__(self) -> Any:  # pickles as TaggedFrozenset(tag, items): frozenset's own passes the items first
+        return type(self), (self.tag, list(self))
+
+
+TAGGED_SEQUENCES = (TaggedTuple, TaggedDeque, TaggedSet, TaggedFrozenset)
 
 
 class Output(collections.OrderedDict):  # type: ignore[type-arg]
@@ -170,6 +213,10 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None, skip
             return TaggedDict(x.tag, items(x))
         if tp is TaggedList:
             return TaggedList(go(x.tag), [go(v) for v in x])
+        if tp is TaggedDeque:
+            return TaggedDeque(go(x.tag), [go(v) for v in x], x.maxlen)
+        if tp in TAGGED_SEQUENCES:  # a tuple, set or frozenset subclass
+            return tp(go(x.tag), [go(v) for v in x])
         if isinstance(x, collections.abc.Mapping):  # UserDict and any other mapping: rebuilt from a dict
             return tp(items(x))
         return x
@@ -194,8 +241,10 @@ def sharing(tree: Any) -> list[int]:
             stack.extend(reversed(list(x.values())))
         elif isinstance(x, (list, tuple, collections.deque)):
             stack.extend(reversed(list(x)))
-            if isinstance(x, TaggedList):
+            if isinstance(x, (TaggedList, TaggedTuple, TaggedDeque)):
                 stack.append(x.tag)
+        elif isinstance(x, (TaggedSet, TaggedFrozenset)):  # its elements' order is its own: only its tag is walked
+            stack.append(x.tag)
         elif dataclasses.is_dataclass(x) and not isinstance(x, type):
             stack.extend(getattr(x, f.name, None) for f in reversed(dataclasses.fields(x)))
     return out
@@ -235,10 +284,8 @@ def assert_same_tree(
             assert actual.maxlen == expected.maxlen
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_same_tree(a, e, f"{path}[{i}]", values=values, grad=grad, same=same)
-        if hasattr(expected, "__dict__") and not isinstance(expected, tuple):
-            assert actual.__dict__.keys() == expected.__dict__.keys(), f"{path}: attributes"
-            for k, e in expected.__dict__.items():
-                assert_same_tree(actual.__dict__[k], e, f"{path}.{k}", values=values, grad=grad, same=same)
+        if hasattr(expected, "__dict__") and not hasattr(type(expected), "_fields"):  # a namedtuple's is empty
+            _same_attributes(actual, expected, path, values=values, grad=grad, same=same)
         return
     if isinstance(expected, (set, frozenset)):
         # Elements are moved one for one: compare the multisets of what they are.
@@ -248,6 +295,8 @@ def assert_same_tree(
             return ("atom", id(v) if same else repr(v))
 
         assert sorted(map(repr, map(key, actual))) == sorted(map(repr, map(key, expected))), path
+        if hasattr(expected, "__dict__"):
+            _same_attributes(actual, expected, path, values=values, grad=grad, same=same)
         return
     if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
         for f in dataclasses.fields(expected):
@@ -264,6 +313,13 @@ def assert_same_tree(
         assert actual is expected, f"{path}: {actual!r} is not {expected!r}"
     else:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def _same_attributes(actual: Any, expected: Any, path: str, **how: Any) -> None:
+    """A container subclass's instance attributes, as ``assert_same_tree`` compares its items."""
+    assert actual.__dict__.keys() == expected.__dict__.keys(), f"{path}: attributes"
+    for k, e in expected.__dict__.items():
+        assert_same_tree(actual.__dict__[k], e, f"{path}.{k}", **how)
 
 
 def snapshot(obj: Any) -> Any:
@@ -285,7 +341,8 @@ def snapshot(obj: Any) -> Any:
             attributes = [(k, go(v)) for k, v in vars(x).items()] if hasattr(x, "__dict__") else []
             return ("seq", id(x), type(x), [go(v) for v in x], attributes)
         if isinstance(x, (set, frozenset)):
-            return ("set", id(x), type(x), sorted(id(v) for v in x))
+            attributes = [(k, go(v)) for k, v in vars(x).items()] if hasattr(x, "__dict__") else []
+            return ("set", id(x), type(x), sorted(id(v) for v in x), attributes)
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             return ("dc", id(x), type(x), [go(getattr(x, f.name, None)) for f in dataclasses.fields(x)])
         return ("leaf", id(x))
@@ -344,6 +401,10 @@ def corpus() -> dict[str, Any]:
         "init-false-field": make_late(t, t * 2),
         "dict-subclass": TaggedDict("tag", {"a": t}),
         "list-subclass": TaggedList("tag", [t, 2]),
+        "tuple-subclass": TaggedTuple(t + 1, [t, 2]),
+        "deque-subclass": TaggedDeque("tag", [t, 2], maxlen=4),
+        "set-subclass": TaggedSet(t + 1, [t, 2]),
+        "frozenset-subclass": TaggedFrozenset("tag", [t, 2]),
         "atoms": [1, 2.5, 1 + 2j, "s", b"b", True, None, Color.RED, torch.float16, torch.device("cpu")],
         "parameter": torch.nn.Parameter(torch.ones(2)),
         "module-inside": {"m": torch.nn.Linear(2, 2), "x": t},
@@ -354,6 +415,13 @@ def corpus() -> dict[str, Any]:
         "dict-of-objects": {"r": Record(t), "s": {t}, "l": TaggedList("tag", [t]), "n": None, "x": [t.t(), 1]},
         "empty-tensors": {"a": torch.empty(0), "b": torch.empty(0, 2)},
     }
+
+
+def one_buffer(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zeroed host targets like ``example``'s, views of one buffer laid out as coalescing lays it out (what move()
+    gives on a GPU)."""
+    lay = _layout.layout_for(list(example.values()), None)
+    return dict(zip(example, _layout.read(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)))
 
 
 class Copies(TorchDispatchMode):

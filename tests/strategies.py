@@ -61,6 +61,10 @@ def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         st.tuples(children, children).map(lambda p: helpers.make_late(*p)),
         dicts.map(lambda d: helpers.TaggedDict("t", d)),
         lists.map(lambda v: helpers.TaggedList("t", v)),
+        st.tuples(children, lists).map(lambda p: helpers.TaggedTuple(*p)),
+        st.tuples(children, lists).map(lambda p: helpers.TaggedDeque(p[0], p[1], maxlen=6)),
+        st.tuples(children, hashables).map(lambda p: helpers.TaggedSet(*p)),
+        st.tuples(children, hashables).map(lambda p: helpers.TaggedFrozenset(*p)),
     )
 
 

@@ -79,7 +79,7 @@ ALLOWED_STATE = {
     "_tree._kinds",  # a type's rule, cleared on registration, gone when its type dies
     "_tree._late",  # a rule torch pytree, optree or a .to() may change, with what it was worked out under
     "_tree._refs",  # the types of _kinds and _late, held weakly
-    "_tree._OPTREE_NODES",  # optree's own registry, read for its size
+    "_tree._OPTREE_NODES",  # optree's own registry, read for the rule of a type
     "_tree._generation",  # counts registration changes, so a rule worked out meanwhile is not cached
     "_move._plans",  # move()'s arguments' plan, bounded
 }

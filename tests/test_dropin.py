@@ -17,6 +17,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import todevice
 from tests import helpers
@@ -938,3 +939,131 @@ def test_an_object_whose_copy_shares_a_dict_it_cannot_replace_is_refused_unchang
     with pytest.raises(TypeError, match=r"Cannot move \['o'\] \(.*Shares\) to meta: a copy of it shares its __dict__"):
         todevice.move({"o": obj}, "meta")
     assert store["t"].device == CPU
+
+
+# ---------------------------------------------------------------- a registered mapping holding one tensor twice
+
+
+class SortedByContext(dict):  # type: ignore[type-arg]
+    """Registered with torch pytree as a dict-like type is: its children in sorted key order, the keys its context."""
+
+
+class SortedWithKeys(dict):  # type: ignore[type-arg]
+    """Registered with torch pytree with flatten_with_keys_fn, which names each child's key; its context names none."""
+
+
+class SortedEntries(dict):  # type: ignore[type-arg]
+    """Registered with optree: its children in sorted key order, named by the entries optree's convention allows."""
+
+
+def _sorted_flatten(d: Any) -> tuple[list[Any], Any]:
+    keys = sorted(d)
+    return [d[k] for k in keys], keys
+
+
+torch.utils._pytree.register_pytree_node(
+    SortedByContext, _sorted_flatten, lambda ch, keys: SortedByContext(zip(keys, ch))
+)
+torch.utils._pytree.register_pytree_node(
+    SortedWithKeys,
+    lambda d: ([d[k] for k in sorted(d)], ("sorted", tuple(sorted(d)))),
+    lambda ch, ctx: SortedWithKeys(zip(ctx[1], ch)),
+    flatten_with_keys_fn=lambda d: (
+        [(torch.utils._pytree.MappingKey(k), d[k]) for k in sorted(d)],
+        ("sorted", tuple(sorted(d))),
+    ),
+)
+optree.register_pytree_node(
+    SortedEntries,
+    lambda d: ([d[k] for k in sorted(d)], ("sorted", tuple(sorted(d))), sorted(d)),
+    lambda ctx, ch: SortedEntries(zip(ctx[1], ch)),
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+)
+KEYED = [SortedByContext, SortedWithKeys, SortedEntries]
+
+
+def _zeros_like(m: Any) -> Any:
+    """Host targets for ``m``: a zero tensor of its own under each key, in ``m``'s order."""
+    return type(m)((k, torch.zeros_like(v)) for k, v in m.items())
+
+
+def _moved_skipping(batch: dict[str, Any], skip: Any, how: str) -> Any:
+    """``batch`` moved to meta with ``skip_keys=skip``, the way ``how`` names; out= into zeroed host targets."""
+    if how == "out=":
+        static = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else _zeros_like(v) for k, v in batch.items()}
+        return todevice.move(batch, out=static, skip_keys=skip)
+    if how == "compiled":
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # dynamo's own
+            return torch.compile(lambda b: todevice.move(b, "meta", skip_keys=skip), backend="eager")(batch)
+    obj = todevice.pack(batch) if how == "packed" else batch
+    return todevice.move(obj, "meta", skip_keys=skip, coalesce=how == "coalesced")
+
+
+def _check_skipped(got: Any, source: Any, skip: frozenset[str], how: str) -> None:
+    """Each item under a key in ``skip`` as ``source`` holds it, every other moved (for out=, written)."""
+    assert type(got) is type(source) and set(got) == set(source), how  # in the order its unflatten gives
+    for k, v in source.items():
+        if how == "out=":
+            assert torch.equal(got[k], torch.zeros_like(v) if k in skip else v), (how, k)
+        elif k in skip:
+            assert got[k].device == CPU and (how == "packed" or got[k] is v), (how, k)  # packed: a view of the buffer
+        else:
+            assert got[k].device == META, (how, k)
+    moved = [k for k in source if k not in skip]
+    for a in moved:  # one tensor under two moved keys stays one (a fresh copy each, for out=)
+        for b in moved:
+            if source[a] is source[b] and how != "out=":
+                assert got[a] is got[b], (how, a, b)
+
+
+@pytest.mark.parametrize("how", ["walk", "coalesced", "packed", "compiled", "out="])
+@pytest.mark.parametrize("cls", KEYED, ids=lambda c: c.__name__)
+def test_skip_keys_skips_the_item_under_its_key_where_a_registered_mapping_lists_one_tensor_twice(
+    cls: type, how: str
+) -> None:
+    """The flatten lists the children in sorted order and the one tensor sits under "b", then "a": skipping "a"
+    keeps the item under "a" and moves the one under "b", as the registration names them (torch's
+    flatten_with_keys_fn, optree's entries, or a context that lists the keys)."""
+    t = torch.arange(3.0)
+    m: Any = cls()
+    m["b"], m["a"], m["c"] = t, t, torch.ones(2)
+    got = _moved_skipping({"m": m}, "a", how)["m"]
+    _check_skipped(got, m, frozenset("a"), how)
+
+
+def test_without_keys_from_its_registration_a_mapping_s_children_are_its_items_in_its_order() -> None:
+    """What the docs state for a registration that names no keys: children are matched to items by identity in the
+    mapping's order; a flatten in that order (the usual one) gets every item right."""
+
+    class InOrder(dict):  # type: ignore[type-arg]
+        pass
+
+    torch.utils._pytree.register_pytree_node(
+        InOrder, lambda d: (list(d.values()), None), lambda ch, ctx: InOrder(zip("ba", ch))
+    )
+    t = torch.ones(2)
+    m = InOrder(b=t, a=t)
+    for how in ("walk", "coalesced"):
+        got = _moved_skipping({"m": m}, "a", how)["m"]
+        assert got["a"] is t and got["b"].device == META
+
+
+@given(
+    st.lists(st.sampled_from("abcde"), min_size=1, max_size=5, unique=True),
+    st.lists(st.integers(0, 2), min_size=5, max_size=5),
+    st.sets(st.sampled_from("abcde")),
+    st.sampled_from(KEYED),
+    st.sampled_from(["walk", "coalesced", "packed", "out="]),
+)
+@settings(max_examples=80)
+def test_registered_mappings_holding_a_tensor_under_two_keys_skip_exactly_the_keys_named(
+    order: list[str], picks: list[int], skip: set[str], cls: type, how: str
+) -> None:
+    pool = [torch.arange(3.0), torch.ones(2), torch.zeros(4, dtype=torch.int64)]
+    m: Any = cls()
+    for k, i in zip(order, picks):
+        m[k] = pool[i]
+    got = _moved_skipping({"m": m, "x": torch.ones(1)}, frozenset(skip), how)["m"]
+    _check_skipped(got, m, frozenset(skip), how)

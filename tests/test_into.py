@@ -248,9 +248,12 @@ def test_objects_whose_tensors_cannot_be_paired_are_refused() -> None:
         todevice.move(packed, out={"x": torch.zeros(2)})
 
 
-def test_a_side_stream_is_refused_and_device_is_needed_without_out() -> None:
-    with pytest.raises(TypeError, match="on a side stream"):
-        todevice.move({"a": torch.ones(2)}, out={"a": torch.zeros(2)}, stream=torch.Stream(device="cpu"))
+def test_a_host_stream_is_ignored_a_bad_one_refused_and_device_is_needed_without_out() -> None:
+    static = {"a": torch.zeros(2)}
+    for device in (None, "cpu"):  # the host has no streams: a host stream orders nothing, as on every path to the host
+        assert todevice.move({"a": torch.ones(2)}, device, out=static, stream=torch.Stream(device="cpu")) is static
+        assert torch.equal(static["a"], torch.ones(2))
+        static["a"].zero_()
     with pytest.raises(TypeError, match=r"stream takes a torch\.Stream"):  # not a stream: the rule every path checks
         todevice.move({"a": torch.ones(2)}, out={"a": torch.zeros(2)}, stream=object())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Cannot move to device None"):
@@ -292,6 +295,55 @@ def test_a_sparse_source_is_refused_before_anything_is_written() -> None:
     assert not static["b"].any()
 
 
+def _exotic(kind: str) -> torch.Tensor:
+    """A source out= does not copy, by its kind: sparse, nested (strided or jagged)."""
+    if kind == "sparse_csr":
+        return torch.eye(4).to_sparse_csr()
+    if kind == "sparse_coo":
+        return torch.eye(4).to_sparse()
+    layout = torch.jagged if kind == "jagged" else torch.strided
+    return torch.nested.nested_tensor([torch.ones(4), torch.ones(4)], layout=layout)
+
+
+EXOTIC = ["sparse_csr", "sparse_coo", "nested", "jagged"]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("one_buffer", [True, False], ids=["one-buffer", "separate"])
+@pytest.mark.parametrize("kind", EXOTIC)
+def test_a_sparse_or_nested_source_gets_out_s_error_naming_its_path_before_any_write(
+    kind: str, one_buffer: bool
+) -> None:
+    """out='s ValueError with its path, whatever the targets are, and no target written: not torch's own error from
+    the copy (a CSR tensor has bytes but no data pointer; a strided nested one has no shape)."""
+    example = {"x1": torch.ones(16), "big": torch.ones(40_000), "x2": torch.ones(4, 4), "x3": torch.ones(2)}
+    static = helpers.one_buffer(example) if one_buffer else {k: torch.zeros_like(v) for k, v in example.items()}
+    b = dict(example, x2=_exotic(kind))
+    with pytest.raises(ValueError, match=r"^Cannot copy into out: at \['x2'\], the batch holds a .*Nothing was copied"):
+        todevice.move(b, out=static)
+    assert not any(t.any() for t in static.values())
+
+
+@pytest.mark.parametrize("one_buffer", [True, False], ids=["one-buffer", "separate"])
+def test_a_source_wrapped_by_vmap_gets_out_s_error_and_a_plain_one_is_copied_under_vmap(one_buffer: bool) -> None:
+    """Inside torch.func.vmap the function's inputs are wrappers with no memory of their own, which out= cannot copy
+    (in place, a batched value does not fit an unbatched target): out='s ValueError with the path. A tensor made
+    outside the transform is an ordinary one, copied as anywhere."""
+    example = {"x1": torch.ones(16), "x2": torch.ones(4)}
+    static = helpers.one_buffer(example) if one_buffer else {k: torch.zeros_like(v) for k, v in example.items()}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with pytest.raises(ValueError, match=r"at \['x2'\], the batch holds a Tensor .*wrapped by torch\.func"):
+            todevice.move(dict(example, x2=x), out=static)
+        assert not any(t.any() for t in static.values())
+        todevice.move(dict(example, x2=torch.full((4,), 2.0)), out=static)
+        return x
+
+    torch.func.vmap(step)(torch.ones(3, 4))
+    assert torch.equal(static["x2"], torch.full((4,), 2.0)) and torch.equal(static["x1"], torch.ones(16))
+
+
 def test_under_torch_compile_the_copies_run_between_two_graphs() -> None:
     static = {"a": torch.zeros(3), "b": [torch.zeros(2, dtype=torch.int64)]}
 
@@ -326,7 +378,7 @@ def test_a_step_of_large_tensors_only_copies_each_alone() -> None:
 
 def test_one_buffer_of_inference_tensors_is_written_in_inference_mode_only() -> None:
     with torch.inference_mode():
-        static = one_buffer_static(flat_inputs(0))
+        static = helpers.one_buffer(flat_inputs(0))
     before = {k: v.clone() for k, v in static.items()}
     with pytest.raises(ValueError, match=r"cannot be written in place"):
         todevice.move(flat_inputs(1), out=static)
@@ -364,12 +416,6 @@ def flat_inputs(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def one_buffer_static(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host targets that are views of one buffer laid out as coalescing lays it out (what move() gives on a GPU)."""
-    lay = _layout.layout_for(list(example.values()), None)
-    return dict(zip(example, _layout.read(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)))
-
-
 @pytest.fixture
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which of out='s checks run, in order: "one buffer" (the few reads of the common step) and "full"."""
@@ -381,7 +427,7 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_every_step_checks_every_pair_whatever_ran_before(checks: list[str]) -> None:
-    static = one_buffer_static(flat_inputs(0))
+    static = helpers.one_buffer(flat_inputs(0))
     for step in range(1, 6):
         b = flat_inputs(step)
         assert todevice.move(b, out=static) is static
@@ -403,7 +449,7 @@ def test_part_of_a_buffer_is_copied_tensor_by_tensor_even_right_after_the_whole_
 
 
 def test_a_changed_target_is_found_on_the_next_step() -> None:
-    static = one_buffer_static(flat_inputs(0))
+    static = helpers.one_buffer(flat_inputs(0))
     todevice.move(flat_inputs(1), out=static)
     static["x3"] = torch.zeros(16)  # another tensor at this key: another set of targets
     b = flat_inputs(2)
@@ -438,7 +484,7 @@ def test_a_changed_target_is_found_on_the_next_step() -> None:
 def test_sources_are_checked_every_step_and_a_bad_one_writes_nothing(
     checks: list[str], change: Any, error: str
 ) -> None:
-    static = one_buffer_static(flat_inputs(0))
+    static = helpers.one_buffer(flat_inputs(0))
     todevice.move(flat_inputs(1), out=static)
     kept = {k: v.clone() for k, v in static.items()}
     b = flat_inputs(2)
@@ -453,7 +499,7 @@ def test_sources_are_checked_every_step_and_a_bad_one_writes_nothing(
 def test_a_target_freed_and_its_id_taken_by_another_tensor_is_written_right() -> None:
     for step in range(4):  # new static buffers each time: ids may come back, and nothing is kept by id
         static = (
-            one_buffer_static(flat_inputs(0))
+            helpers.one_buffer(flat_inputs(0))
             if step % 2
             else {k: torch.zeros_like(v) for k, v in flat_inputs(0).items()}
         )

@@ -6,6 +6,7 @@ import collections
 import copy
 import dataclasses
 import sys
+import warnings
 from typing import Any, ClassVar
 
 import pytest
@@ -260,6 +261,50 @@ def test_list_subclass_keeps_type_and_state() -> None:
     lst = helpers.TaggedList("val", [torch.ones(1), 2])
     out = todevice.move(lst, "meta")
     assert type(out) is helpers.TaggedList and out.tag == "val" and out[0].device == META and out[1] == 2
+
+
+def _subclasses(t: torch.Tensor) -> dict[str, Any]:
+    """A tuple (not a namedtuple), deque, set and frozenset subclass, each with an attribute (a tensor in two)."""
+    return {
+        "tuple": helpers.TaggedTuple(t, [t, 1, torch.zeros(2)]),
+        "deque": helpers.TaggedDeque("tag", [t, 2], maxlen=5),
+        "set": helpers.TaggedSet(torch.ones(3), [t, 3]),
+        "frozenset": helpers.TaggedFrozenset("tag", [t, 4]),
+    }
+
+
+@pytest.mark.parametrize("how", ["walk", "coalesced", "packed", "compiled", "out="])
+def test_tuple_deque_set_and_frozenset_subclasses_are_moved_type_attributes_and_items_kept(how: str) -> None:
+    """As list subclasses are: no constructor of theirs runs (these want a tag first), a deque keeps its maxlen, and a
+    tensor in an attribute and an item is one tensor. out= pairs a tuple's and a deque's items, and refuses a set's,
+    which have no order."""
+    t = torch.arange(3.0)
+    batch = _subclasses(t)
+    if how == "out=":
+        ordered = {k: v for k, v in batch.items() if k in ("tuple", "deque")}
+        static = todevice.move(ordered, "cpu", dtype=torch.float64)  # new tensors, the very structure
+        static = todevice.move(static, "cpu", dtype=torch.float32)
+        assert todevice.move(ordered, out=static) is static
+        assert torch.equal(static["tuple"][0], t) and torch.equal(static["tuple"].tag, t)
+        assert static["tuple"][0] is static["tuple"].tag and torch.equal(static["deque"][0], t)
+        for kind in ("set", "frozenset"):
+            with pytest.raises(ValueError, match=rf"at \['{kind}'\], the batch holds a set"):
+                todevice.move({kind: batch[kind]}, out=todevice.move({kind: batch[kind]}, "meta"))
+        return
+    if how == "compiled":
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # dynamo's own, where it breaks the graph at a subclass
+            out = torch.compile(lambda b: todevice.move(b, "meta"), backend="eager")(batch)
+    else:
+        obj = todevice.pack(batch) if how == "packed" else batch
+        out = todevice.move(obj, "meta", coalesce=how == "coalesced")
+    helpers.assert_same_tree(out, helpers.reference_move(batch, "meta"), same=how != "compiled")
+    assert out["tuple"][0] is out["tuple"].tag is out["deque"][0] and out["tuple"][0].is_meta
+    assert out["deque"].maxlen == 5 and out["deque"].tag == "tag" and out["set"].tag.is_meta
+    assert {v.device.type for v in out["set"] if isinstance(v, torch.Tensor)} == {"meta"}
+    assert all(type(out[k]) is type(batch[k]) for k in batch)
+    assert batch["tuple"][0] is t and t.device == CPU  # nothing changed in place
 
 
 def test_ordered_dict_and_defaultdict_subclasses() -> None:
@@ -737,6 +782,44 @@ def test_invalid_device_is_caught_before_anything_is_copied() -> None:
 @pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu"), torch.device("meta"), "cpu:0"])
 def test_valid_device_forms(device: Any) -> None:
     assert todevice.move(torch.ones(1), device).device.type == torch.device(device).type
+
+
+def _every_path(batch: Any, device: Any, **options: Any) -> dict[str, Any]:
+    """``batch`` moved to ``device`` each way a move goes (out=, into targets that move() made there)."""
+
+    def compiled() -> Any:
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # dynamo's own
+            return torch.compile(lambda b: todevice.move(b, device, **options), backend="eager")(batch)
+
+    return {
+        "walk": todevice.move(batch, device, **options),
+        "coalesced": todevice.move(batch, device, coalesce=True, **options),
+        "packed": todevice.move(todevice.pack(batch), device, **options),
+        "compiled": compiled(),
+        "out=": todevice.move(batch, device, out=todevice.move(batch, device, coalesce=True), **options),
+    }
+
+
+@pytest.mark.parametrize("index", ["meta:0", torch.device("meta", 0), "cpu:0"])
+def test_a_host_device_named_with_index_0_is_the_device_tensors_report(index: Any) -> None:
+    """torch drops the index of cpu:0 and meta:0: so does move(), on every path, and out= takes the targets that
+    move() made there."""
+    batch = {"x": torch.ones(2), "y": [torch.arange(3), torch.ones(1)]}
+    for name, got in _every_path(batch, index).items():
+        assert got["x"].device == torch.device(torch.device(index).type), name
+
+
+def test_a_move_to_the_host_ignores_a_host_stream_on_every_path() -> None:
+    """A device-agnostic loop makes its stream with torch.Stream(device=device): on the host there are no streams to
+    order, and the move is the one without it (as the compiled move ignores any stream)."""
+    stream = torch.Stream(device="cpu")
+    batch = {"x": torch.ones(2), "y": [torch.arange(3), torch.ones(1, dtype=torch.float64)]}
+    for device in ("cpu", "meta"):
+        for got in _every_path(batch, device, stream=stream).values():
+            helpers.assert_same_tree(got, helpers.reference_move(batch, device), values=device == "cpu", same=False)
+        assert todevice.move(batch["x"], device, stream=stream).device.type == device  # a bare tensor too
 
 
 # ---------------------------------------------------------------- misc

@@ -549,7 +549,7 @@ class FakeStream:
 
     def __init__(self, name: str, log: list[tuple[str, ...]]) -> None:
         self.name, self.log = name, log
-        self.device = torch.device("meta")
+        self.device = torch.device("meta")  # meta stands in for an accelerator: see _meta_streams_issue()
 
     def wait_stream(self, other: FakeStream) -> None:
         self.log.append(("wait", self.name, other.name))
@@ -558,7 +558,14 @@ class FakeStream:
         return self.name
 
 
+def _meta_streams_issue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A move to meta issues its copies on a stream of meta, as a move to an accelerator does on one of its own: a
+    move to the host otherwise ignores a host stream (``_stream.issuing``), and these tests need no accelerator."""
+    monkeypatch.setattr(_stream, "issuing", lambda stream, device: stream)
+
+
 def test_copies_run_on_the_side_stream_and_are_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    _meta_streams_issue(monkeypatch)
     log: list[tuple[str, ...]] = []
     user, side = FakeStream("user", log), FakeStream("side", log)
     current = [user]

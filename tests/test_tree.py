@@ -11,6 +11,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch.utils import _pytree
 
 import todevice
@@ -388,3 +389,159 @@ def test_a_dataclass_keeps_the_rule_it_was_first_moved_with_until_todevice_regis
         assert _tree.kind_of(cls).entry is _tree._registered_entry
     finally:
         undo()
+
+
+# ---------------------------------------------------------------- registries that change and keep their size
+
+
+_EVERYWHERE = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # optree keeps the global namespace private
+
+
+class _Two:
+    """An object with two tensors, ``x`` and ``y``: a rule moves what its flatten lists."""
+
+    def __init__(self, x: Any, y: Any) -> None:
+        self.x, self.y = x, y
+
+
+def _only_x(cls: type) -> tuple[Any, Any]:  # a flatten that keeps y aside, in its context
+    return lambda o: ([o.x], o.y), lambda aux, ch: cls(ch[0], aux)
+
+
+def _both(cls: type) -> tuple[Any, Any]:
+    return lambda o: ([o.x, o.y], None), lambda aux, ch: cls(*ch)
+
+
+def _deregister_torch(cls: type) -> None:  # torch 2.4 has no _deregister_pytree_node: the entry is taken out by hand
+    getattr(_pytree, "_deregister_pytree_node", _pytree.SUPPORTED_NODES.pop)(cls)
+
+
+def _register_torch(cls: type) -> None:
+    flatten, unflatten = _both(cls)
+    _pytree.register_pytree_node(cls, flatten, lambda ch, ctx: unflatten(ctx, ch))
+
+
+def every_path(batch: Any, device: str) -> dict[str, Any]:
+    """``batch`` moved each way a move goes: the walk, coalesced, packed, compiled and into ``out=``."""
+
+    def into() -> Any:
+        static = todevice.move(batch, device)
+        return todevice.move(batch, out=static)
+
+    def compiled() -> Any:
+        torch._dynamo.reset()  # imports dynamo, and torch's C++ pytree with it, where no test has yet
+        return torch.compile(lambda b: todevice.move(b, device), backend="eager")(batch)
+
+    ways = {
+        "walk": lambda: todevice.move(batch, device),
+        "coalesced": lambda: todevice.move(batch, device, coalesce=True),
+        "packed": lambda: todevice.move(todevice.pack(batch), device),
+        "compiled": compiled,
+        "out=": into,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a left-behind warning where the rule says so; dynamo's own
+        return {name: way() for name, way in ways.items()}
+
+
+@pytest.mark.parametrize("case", ["torch pytree", "optree again", "optree and another namespace"])
+def test_a_rule_changed_while_a_registry_keeps_its_size_is_used_by_the_next_move_on_every_path(case: str) -> None:
+    """A registration made together with a removal leaves each registry's size as it was: the next move still uses
+    the new rule, on every path."""
+    cls: Any = type("Changed", (_Two,), {})
+    other: Any = type("Other", (_Two,), {})
+    spare: Any = type("Spare", (_Two,), {})  # taken out of optree to keep its size, where torch adds to it
+    optree.register_pytree_node(spare, *_both(spare), namespace="elsewhere")
+
+    def drop_spare() -> None:
+        optree.unregister_pytree_node(spare, namespace="elsewhere")
+
+    undo = [drop_spare]
+    try:
+        if case == "optree again":  # x moved, y kept aside by the first flatten
+            optree.register_pytree_node(cls, *_only_x(cls), namespace=_EVERYWHERE)
+            undo.append(lambda: optree.unregister_pytree_node(cls, namespace=_EVERYWHERE))
+        elif case == "torch pytree":
+            _register_torch(other)
+            undo.append(lambda: _deregister_torch(other))
+        else:
+            optree.register_pytree_node(other, *_both(other), namespace="elsewhere")
+            undo.append(lambda: optree.unregister_pytree_node(other, namespace="elsewhere"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TensorsLeftBehindWarning)
+            first = todevice.move({"o": cls(torch.ones(1), torch.ones(2))}, "meta")["o"]
+        assert first.y.device.type == "cpu"  # the rule before: y stays
+        counts = len(_pytree.SUPPORTED_NODES), len(optree.registry._NODETYPE_REGISTRY)
+        undo.pop()()  # the removal ...
+        if case == "optree again":  # ... and the registration, in the same namespace
+            optree.register_pytree_node(cls, *_both(cls), namespace=_EVERYWHERE)
+            undo.append(lambda: optree.unregister_pytree_node(cls, namespace=_EVERYWHERE))
+        elif case == "torch pytree":
+            _register_torch(cls)
+            undo.append(lambda: _deregister_torch(cls))
+            if len(optree.registry._NODETYPE_REGISTRY) > counts[1]:  # torch's C++ pytree (after dynamo is imported)
+                optree.unregister_pytree_node(spare, namespace="elsewhere")  # registers it with optree too, for good
+                undo.remove(drop_spare)
+        else:
+            optree.register_pytree_node(cls, *_both(cls), namespace=_EVERYWHERE)
+            undo.append(lambda: optree.unregister_pytree_node(cls, namespace=_EVERYWHERE))
+        assert (len(_pytree.SUPPORTED_NODES), len(optree.registry._NODETYPE_REGISTRY)) == counts
+        for name, got in every_path({"o": cls(torch.ones(1), torch.ones(2)), "t": torch.ones(1)}, "meta").items():
+            assert type(got["o"]) is cls and got["o"].x.is_meta and got["o"].y.is_meta, name
+    finally:
+        for step in undo:
+            step()
+
+
+_OPS = st.lists(
+    st.tuples(st.integers(0, 2), st.sampled_from(["optree x", "optree both", "elsewhere"])), min_size=1, max_size=8
+)
+
+
+@given(_OPS)
+@settings(max_examples=40, deadline=None)
+def test_registries_that_change_at_a_constant_size_always_give_the_rule_registered_now(ops: list[Any]) -> None:
+    """Three classes, each registered with optree in another namespace than the global one (which move() does not
+    read), then given new rules one step at a time: taken out where it is and registered again, in optree's global
+    namespace (moving x, or x and y) or in the other, so optree's registry keeps its size. After each step, every
+    class moves as the plain model of the registry says, with and without coalescing."""
+    pool: list[Any] = [type(f"C{i}", (_Two,), {}) for i in range(3)]
+    where: dict[int, str] = {}  # class index -> where it is registered now
+
+    def register(i: int, how: str) -> None:
+        cls = pool[i]
+        namespace = "elsewhere" if how == "elsewhere" else _EVERYWHERE
+        optree.register_pytree_node(cls, *(_only_x if how == "optree x" else _both)(cls), namespace=namespace)
+        where[i] = how
+
+    def unregister(i: int) -> None:
+        namespace = "elsewhere" if where.pop(i) == "elsewhere" else _EVERYWHERE
+        optree.unregister_pytree_node(pool[i], namespace=namespace)
+
+    def expected(i: int) -> tuple[str, str]:  # the devices of x and y after a move to meta
+        how = where[i]
+        if how == "elsewhere":
+            return "cpu", "cpu"  # an unknown object: left as it is
+        return ("meta", "cpu") if how == "optree x" else ("meta", "meta")
+
+    def check() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TensorsLeftBehindWarning)
+            for coalesce in (None, True):
+                out = todevice.move([c(torch.ones(1), torch.ones(2)) for c in pool], "meta", coalesce=coalesce)
+                got = [(o.x.device.type, o.y.device.type) for o in out]
+                assert got == [expected(j) for j in range(len(pool))], (ops, where)
+
+    try:
+        for i in range(len(pool)):
+            register(i, "elsewhere")
+        check()
+        size = len(optree.registry._NODETYPE_REGISTRY)
+        for i, how in ops:
+            unregister(i)
+            register(i, how)
+            assert len(optree.registry._NODETYPE_REGISTRY) == size
+            check()
+    finally:
+        for i in list(where):
+            unregister(i)

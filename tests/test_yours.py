@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 import todevice
 from todevice._bench import yours
@@ -118,6 +119,42 @@ def test_nan_values_are_equal_to_nan_values() -> None:
     assert not any("your helper" in name for name in report.wrong)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_nan_is_equal_to_itself_and_a_correct_helper_is_timed(dtype: torch.dtype) -> None:
+    """move() and the helper may give back the very same tensor: equal, NaN and all."""
+    x = torch.tensor([complex(float("nan"), 1.0), 2j, complex(3.0, float("nan"))], dtype=dtype)
+    batch = {"x": x, "y": torch.arange(3)}
+    report = todevice.bench(batch, "cpu", helper=lambda b, d: {k: v.to(d) for k, v in b.items()}, rounds=3)
+    assert not any("your helper" in name for name in report.wrong) and report.helper.startswith("your helper")
+    assert yours.difference({"x": x}, {"x": x.clone()}) is None
+    assert yours.difference({"x": x}, {"x": x.conj().conj()}) is None  # a lazy conjugate bit, resolved
+    swapped = torch.tensor([complex(1.0, float("nan")), 2j, complex(3.0, float("nan"))], dtype=dtype)
+    assert yours.difference({"x": x}, {"x": swapped}) == "['x'] holds other values than move() gives"
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.floats(allow_nan=True, width=32), st.just(float("nan"))),
+            st.one_of(st.floats(allow_nan=True, width=32), st.just(float("nan"))),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([torch.complex64, torch.complex128, torch.float32, torch.float64]),
+)
+def test_values_and_nans_compare_part_by_part(parts: list[tuple[float, float]], dtype: torch.dtype) -> None:
+    """A copy holds the same values, NaN where the source has NaN; a change to any part of one value is a difference."""
+    if dtype.is_complex:
+        x = torch.tensor([complex(re, im) for re, im in parts], dtype=dtype)
+    else:
+        x = torch.tensor([re for re, _ in parts], dtype=dtype)
+    assert yours.difference({"x": x}, {"x": x.clone()}) is None
+    changed = x.clone()
+    changed[0] = 0.5 if x[0] != 0.5 else 0.25  # a NaN made a number, or a number another
+    assert yours.difference({"x": x}, {"x": changed}) == "['x'] holds other values than move() gives"
+
+
 @pytest.mark.parametrize(("low", "high", "verdict"), [(1.1, 1.3, "faster"), (0.7, 0.9, "slower"), (0.9, 1.1, None)])
 def test_a_spread_that_holds_one_is_no_measurable_difference(low: float, high: float, verdict: str | None) -> None:
     row = yours.Row("as given", "todevice.move", 1.0, 1.0, (low + high) / 2, low, high)
@@ -205,6 +242,31 @@ def test_a_bad_batch_or_helper_is_one_line_of_error(
 ) -> None:
     code, _, err = _cli(tmp_path, monkeypatch, capsys, *args)
     assert code == 2 and says in err
+
+
+@pytest.mark.parametrize(
+    ("raises", "says"),
+    [
+        (
+            'raise ValueError("no data under\\n  /datasets")',
+            "importing broken raised ValueError: no data under /datasets",
+        ),
+        ('raise TypeError("bad seed")', "importing broken raised TypeError: bad seed"),
+        ("import not_installed_anywhere", "importing broken raised ModuleNotFoundError: No module named"),
+    ],
+    ids=["ValueError", "TypeError", "ImportError"],
+)
+def test_a_module_that_fails_to_import_gives_its_own_error_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], raises: str, says: str
+) -> None:
+    """Whatever the user's module raises as it is imported, its message, on the line that names the module (argparse
+    reads a ValueError or TypeError from a type= function as its own "invalid value" and drops the message)."""
+    (tmp_path / "broken.py").write_text(raises + "\n")
+    monkeypatch.delitem(sys.modules, "broken", raising=False)
+    code, _, err = _cli(tmp_path, monkeypatch, capsys, "--batch", "broken:make")
+    (line,) = [line for line in err.splitlines() if "broken" in line]
+    assert code == 2 and "cannot load 'broken:make': " + says in line
+    assert "_callable" not in err and "invalid" not in err
 
 
 # ---------------------------------------------------------------- bench --plot

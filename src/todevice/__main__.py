@@ -17,11 +17,8 @@ from todevice import _bench, _stream
 def info() -> None:
     """What todevice sees on this machine."""
     acc = _stream.accelerator()
-    try:
-        torch.empty(1).pin_memory()
-        pinned = "yes"
-    except RuntimeError as err:
-        pinned = f"no ({str(err).splitlines()[0]})"
+    why = _stream.no_pinned_memory()
+    pinned = "yes" if why is None else f"no ({why})"
     print(f"todevice {todevice.__version__}")
     print(f"torch    {torch.__version__}")
     print(f"optree   {optree.__version__}")
@@ -136,13 +133,21 @@ def _callable(text: str) -> Any:
         sys.path.insert(0, "")
     try:
         found: Any = importlib.import_module(module)
+    except Exception as err:  # whatever the module raised as it was imported: its own words, on one line
+        raise argparse.ArgumentTypeError(f"cannot load {text!r}: importing {module} raised {_one_line(err)}") from err
+    try:
         for part in name.split("."):
             found = getattr(found, part)
-    except (ImportError, AttributeError) as err:
-        raise argparse.ArgumentTypeError(f"cannot load {text!r}: {err}") from err
+    except Exception as err:
+        raise argparse.ArgumentTypeError(f"cannot load {text!r}: {_one_line(err)}") from err
     if not callable(found):
         raise argparse.ArgumentTypeError(f"{text!r} is a {type(found).__qualname__}, not a callable")
     return found
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: its type and its message, line breaks and all runs of spaces made one space."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def your_bench(make: Any, helper: Any, device: str | None, rounds: int, json_path: str | None, env: Any) -> int:

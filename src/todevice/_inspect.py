@@ -110,9 +110,7 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
 
     .. versionadded:: 0.1.0
     """
-    want = _stream.resolve_device(device, "check against") if device is not None else None
-    if want is not None and want.type == "cpu":
-        want = torch.device("cpu")  # tensors say "cpu", never "cpu:0"
+    want = _stream.resolve_device(device, "check against") if device is not None else None  # "cpu:0" is "cpu"
     by_device: dict[torch.device, list[str]] = {}
     for i, obj in enumerate(objs):
         prefix = f"objs[{i}]" if len(objs) > 1 else ""

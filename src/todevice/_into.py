@@ -332,6 +332,8 @@ def _one_buffer(
     steps.
     """
     first, last = targets[0], targets[-1]
+    if _tree.transforming():  # inside torch.func.vmap or grad: the sources may be wrappers with no memory
+        return None
     try:
         if first.untyped_storage().data_ptr() != last.untyped_storage().data_ptr():  # not one buffer: at once
             return None
@@ -364,25 +366,36 @@ def _check_pairs(
 
     Each property is read in one C loop; the pair at fault is looked for only when there is one.
     """
-    shapes, dtypes, on_host = list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources))
+    read: _Read | None = None
     try:
-        nbytes = list(map(_nbytes, sources))
-    except RuntimeError:  # a sparse source has none, and is no dense tensor to copy into out
-        _fault(sources, targets, out, dev, dtype)  # names its path
-        raise
+        got = _read(sources, targets)
+        same_shapes = got.shapes == list(map(_shape, sources))
+        read = got
+    except RuntimeError:  # a strided nested tensor has no shape: no dense tensor to copy
+        same_shapes = False
     if (
-        dtype is None
-        and shapes == list(map(_shape, sources))
-        and dtypes == list(map(_dtype, sources))
+        read is not None
+        and dtype is None
+        and same_shapes
+        and read.dtypes == list(map(_dtype, sources))
+        and set(map(_layout_of, sources)) == {torch.strided}  # a sparse or jagged source: no dense tensor either
+        and not _tree.transforming()  # nor, inside torch.func.vmap or grad, a wrapper with no memory of its own
         and (dev is None or set(map(_device, targets)) == {dev})
-        and (all(on_host) or not any(t.is_meta for t in sources))
+        and (all(read.on_host) or not any(t.is_meta for t in sources))
         and not (torch.is_grad_enabled() and any(map(_grad, sources)))
         and len(set(map(id, targets))) == len(targets)
         and _writable(targets)
     ):
-        return _Read(shapes, dtypes, on_host, nbytes)
-    _fault(sources, targets, out, dev, dtype)
-    return _Read(shapes, dtypes, on_host, nbytes)
+        return read
+    _fault(sources, targets, out, dev, dtype)  # the first pair that cannot be copied: its path, in a ValueError
+    return read if read is not None else _read(sources, targets)
+
+
+def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
+    """What the copies read of every pair, each property in one C loop."""
+    return _Read(
+        list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources)), list(map(_nbytes, sources))
+    )
 
 
 def _writable(targets: list[torch.Tensor]) -> bool:
@@ -406,7 +419,11 @@ def _fault(
     for src, dst in zip(sources, targets):
         why = None
         expected = dtype if dtype is not None and _options.casts(src) else src.dtype
-        if dst.shape != src.shape:
+        if not _tree.has_memory(src):  # before the shape, which a strided nested tensor has not
+            why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
+        elif not _tree.has_memory(dst):
+            why = f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is not a dense tensor."
+        elif dst.shape != src.shape:
             why = f"out's tensor has shape {tuple(dst.shape)} and the batch's {tuple(src.shape)}."
         elif dst.dtype != expected:
             cast = f" (cast to {dtype})" if expected is not src.dtype else ""

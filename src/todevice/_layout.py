@@ -377,12 +377,12 @@ def staging(nbytes: int, dev: torch.device) -> torch.Tensor:
 
 def stageable(t: torch.Tensor) -> bool:
     """Whether ``t`` is a pageable host tensor that :func:`send_staged` sends: on the host, not pinned (that one
-    is sent as it is, never read on the host), not a subclass, not sparse, and not one autograd must follow."""
+    is sent as it is, never read on the host), not a subclass, with memory of its own, and not one autograd must
+    follow."""
     return not (
         type(t) is not _Tensor
         or not t.is_cpu
-        or t.layout is not torch.strided
-        or t.is_nested
+        or not _tree.has_memory(t)
         or t.dtype not in DENSE_DTYPES
         or (t.requires_grad and torch.is_grad_enabled())
         or t.is_pinned()
@@ -606,8 +606,7 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
         type(t) is not _Tensor
         or t.is_cpu is s.devices
         or t.dtype not in DENSE_DTYPES
-        or t.layout is not torch.strided  # sparse and mkldnn tensors travel as they are
-        or t.is_nested
+        or not _tree.has_memory(t)  # sparse, mkldnn, nested and functorch-wrapped tensors travel as they are
         or (max_bytes is not None and t.nbytes > max_bytes)
         or (t.requires_grad and not s.grad)
     ):

@@ -543,6 +543,7 @@ def _into_static(
     stream, strict, skip_keys = opts
     p = plan_for("cpu" if device is None else device, nb, dtype, coalesce, max_bytes, stream, strict, skip_keys)
     dev = None if device is None else p.dev
+    stream = _stream.issuing(stream, p.dev)
     return _into.into(obj, out, dev, nb, dtype, coalesce, max_bytes, stream, strict, p.skip)
 
 
@@ -551,6 +552,8 @@ def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: A
     if strict:
         _walk.refuse_unknown(obj, p.skip)
     s = State(p)
+    if stream is not None:
+        stream = _stream.issuing(stream, p.dev)
     if stream is None:
         out = _batch(obj, s, coalesce, max_bytes)
     else:

@@ -1,12 +1,16 @@
-"""The kinds of object the walkers tell apart, and the rule for dataclasses, dict and list subclasses, UserDict,
-UserList and ChainMap, which are moved through every instance attribute. ``_tree`` classifies types with them."""
+"""The kinds of object the walkers tell apart; the rule for dataclasses, subclasses of dict, list, tuple, deque, set
+and frozenset, UserDict, UserList and ChainMap, which are moved through every instance attribute; and the rule of a
+type registered with todevice, torch pytree or optree. ``_tree`` classifies types with them."""
 
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+import torch.utils._pytree as _pytree
 
 # Kinds of object, as the walkers see them.
 TENSOR = 0  # a torch.Tensor (or subclass): moved with .to()
@@ -39,7 +43,7 @@ _NO_KEY: Any = object()  # the key of a child that is not a mapping's item (a da
 # ---------------------------------------------------------------- dataclasses, dict and list subclasses, mappings
 
 
-def _bare_new(tp: type) -> Callable[[type], Any]:
+def _bare_new(tp: type) -> Callable[..., Any]:
     """What makes an empty ``tp`` (called with ``tp``) without running a ``__new__`` or ``__init__`` written in Python.
 
     The first built-in base's ``__new__`` (``dict.__new__``, ``object.__new__``): a subclass's own
@@ -47,7 +51,7 @@ def _bare_new(tp: type) -> Callable[[type], Any]:
     """
     for klass in tp.__mro__:
         if not klass.__flags__ & _HEAPTYPE:
-            return klass.__new__  # type: ignore[return-value]
+            return klass.__new__
     return object.__new__  # pragma: no cover (object is never a heap type)
 
 
@@ -55,7 +59,8 @@ _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, no
 
 
 def _object_kind(tp: type) -> Kind:
-    """The rule of a dataclass, a dict or list subclass, a UserDict, UserList or ChainMap: worked out once per type.
+    """The rule of a dataclass, a subclass of dict, list, tuple (not a namedtuple), deque, set or frozenset, a UserDict,
+    UserList or ChainMap: worked out once per type.
 
     Every instance attribute is a child, moved like the fields: dataclass fields, other attributes
     (set in ``__post_init__``, a ``functools.cached_property`` value, a UserDict's ``data``) and slots,
@@ -64,13 +69,16 @@ def _object_kind(tp: type) -> Kind:
     the copy's attribute is its copied item. Attributes are read and written below any
     ``__getattr__`` or ``__setattr__`` of the class. The copy is never passed through ``__init__``,
     ``__new__`` or ``__setitem__`` written in Python: the constructor of a subclass may want other
-    arguments, and frozen dataclasses refuse setattr. Its aux data is (source, attributes set
+    arguments, and frozen dataclasses refuse setattr. A tuple or frozenset subclass is made with its items by its
+    built-in base's ``__new__``; a deque subclass keeps its ``maxlen``. Its aux data is (source, attributes set
     directly, attributes in ``__dict__``, dict keys, attributes that are items). The copy's type is the source's:
     the rule never holds ``tp``, so that the cache, which holds rules, lets a class made per batch die.
     """
     fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
     base = _container_base(tp)
     mapping = base is not None and issubclass(base, dict)
+    items_of: Any = None if base is None or mapping else base.__iter__  # type: ignore[attr-defined]  # read in C
+    made_with_items = base is tuple or base is frozenset  # immutable: its items go to its __new__
     slots = tuple(dict.fromkeys(name for klass in tp.__mro__ for name in _slot_names(klass)))
     # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
     # them) are read and written with it, in one call each.
@@ -112,8 +120,8 @@ def _object_kind(tp: type) -> Kind:
         if mapping:
             keys = list(keys_of(obj))
             items = list(values_of(obj))
-        elif base is list:
-            items = list(list.__iter__(obj))
+        elif items_of is not None:
+            items = list(items_of(obj))
         state: Any = _get(obj, "__dict__") if has_dict else None
         in_state: list[str] = []
         mirrors: Any = None  # attributes that are items: (name, item index) pairs, or True for __dict__ is obj
@@ -133,11 +141,11 @@ def _object_kind(tp: type) -> Kind:
 
     def unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
         src, names, in_state, keys, mirrors = aux
-        out = new(type(src))
         n = len(names)
+        m = n + len(in_state)
+        out = new(type(src), children[m:]) if made_with_items else new(type(src))
         for name, value in zip(names, children):
             object.__setattr__(out, name, value)
-        m = n + len(in_state)
         if in_state:
             _get(out, "__dict__").update(zip(in_state, children[n:m]))
         if base is collections.defaultdict:
@@ -148,13 +156,17 @@ def _object_kind(tp: type) -> Kind:
                 setitem(out, k, v)
         elif base is list:
             list.extend(out, children[m:])
+        elif base is set:
+            set.update(out, children[m:])
+        elif base is collections.deque:
+            collections.deque.__init__(out, children[m:], collections.deque.maxlen.__get__(src))
         if mirrors is True:
             object.__setattr__(out, "__dict__", out)
         elif mirrors:
             _get(out, "__dict__").update((k, children[m + i]) for k, i in mirrors)
         return out
 
-    return Kind(NODE, flatten, unflatten, _object_entry, _list_keys if base is list else _object_keys)
+    return Kind(NODE, flatten, unflatten, _object_entry, _object_keys if items_of is None else _sequence_keys)
 
 
 _get = object.__getattribute__  # an attribute as stored: no __getattr__ of the class runs
@@ -173,14 +185,16 @@ def _slot_names(klass: type) -> tuple[str, ...]:
 
 
 def _object_entry(aux: tuple[Any, ...], i: int) -> str:
-    _, names, in_state, keys, _ = aux
+    src, names, in_state, keys, _ = aux
     n = len(names)
     if i < n:
         return f".{names[i]}"
     if i < n + len(in_state):
         return f".{in_state[i - n]}"
     i -= n + len(in_state)
-    return f"[{keys[i]!r}]" if keys is not None else f"[{i}]"
+    if keys is not None:
+        return f"[{keys[i]!r}]"
+    return f"{{{i}}}" if isinstance(src, (set, frozenset)) else f"[{i}]"  # a set's element by its place in iteration
 
 
 def _object_keys(aux: tuple[Any, ...]) -> list[Any]:
@@ -188,10 +202,11 @@ def _object_keys(aux: tuple[Any, ...]) -> list[Any]:
     return [*(_NO_KEY,) * (len(names) + len(in_state)), *(keys or ())]
 
 
-def _list_keys(aux: tuple[Any, ...]) -> list[Any]:
-    """A list subclass's: one key for every child, its items (none of them a mapping's item) included."""
+def _sequence_keys(aux: tuple[Any, ...]) -> list[Any]:
+    """A list, tuple, deque or set subclass's: one key for every child, its items (none a mapping's) included."""
     src, names, in_state, _, _ = aux
-    return [_NO_KEY] * (len(names) + len(in_state) + list.__len__(src))
+    base: Any = _container_base(type(src))  # list, tuple, deque, set or frozenset: its length, read in C
+    return [_NO_KEY] * (len(names) + len(in_state) + base.__len__(src))
 
 
 def _container_base(tp: type) -> type | None:
@@ -201,7 +216,100 @@ def _container_base(tp: type) -> type | None:
     return None
 
 
-_BASES = (collections.defaultdict, collections.OrderedDict, dict, list)
+# A namedtuple or structseq is a tuple too: _tree tells those apart first.
+_BASES = (collections.defaultdict, collections.OrderedDict, dict, list, tuple, collections.deque, set, frozenset)
 # Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved
 # through those attributes, which keeps the inner container's own type (an OrderedDict ``data``).
 _IN_ATTRIBUTES = (collections.UserDict, collections.UserList, collections.ChainMap)
+
+
+# ---------------------------------------------------------------- registered types
+
+
+def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
+    """A registered flatten, its aux ``(aux, entries)``; of a mapping, ``(aux, entries, keys)``."""
+
+    def run(obj: Any) -> tuple[list[Any], Any]:
+        out = flatten(obj)
+        children, aux = list(out[0]), out[1]
+        entries = out[2] if len(out) > 2 else None
+        return children, (aux, entries)
+
+    def run_mapping(obj: Any) -> tuple[list[Any], Any]:
+        children, (aux, entries) = run(obj)
+        keys = _keys_of_items(obj, children, entries, aux)
+        if entries is None and all(k is not _NO_KEY for k in keys):
+            entries = keys  # paths in messages name the keys: ['lengths']
+        return children, (aux, entries, keys)
+
+    return run_mapping if mapping else run
+
+
+# The path entries of torch pytree's flatten_with_keys_fn: an item's key, an index, an attribute's name. Each names
+# itself in a path (``['x']``, ``[0]``, ``.x``).
+_MAPPING_KEY: type = _pytree.MappingKey
+_TORCH_KEYS: tuple[type, ...] = (_pytree.MappingKey, _pytree.SequenceKey, _pytree.GetAttrKey)
+
+
+def _keys_of_items(obj: Any, children: list[Any], entries: Any, context: Any) -> list[Any]:
+    """The key of each child of a registered mapping that is one of its items, ``_NO_KEY`` for any other: so that
+    ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput).
+
+    Read from the registration where it says: torch pytree's ``flatten_with_keys_fn`` (a ``MappingKey`` names an
+    item's key, any other entry no item), optree's entries, or a context that lists the keys (a dict-like
+    registration's), each taken where every key it names holds that very child. Else each child's key by identity:
+    its values in order (the usual flatten), or else the first item not yet taken that is the child; so one object
+    under two keys is taken in the mapping's order, whatever order the flatten lists them in. Found with ``is``,
+    never an ``id()``: under torch.compile an ``id()`` would make dynamo guard on the objects of one batch.
+    """
+    if entries is not None and len(entries) == len(children) and entries and isinstance(entries[0], _TORCH_KEYS):
+        return [e.key if type(e) is _MAPPING_KEY else _NO_KEY for e in entries]  # type: ignore[attr-defined]
+    try:
+        items = list(obj.items())
+    except Exception:  # a mapping that cannot list its items: none of its children is known as one
+        return [_NO_KEY] * len(children)
+    named: dict[Any, Any] | None = None
+    for names in (entries, context):
+        if isinstance(names, (list, tuple)) and len(names) == len(children):
+            named = dict(items) if named is None else named
+            try:
+                if all(named.get(e, _NO_KEY) is c for e, c in zip(names, children)):
+                    return list(names)
+            except TypeError:  # a name that is no key (unhashable): not names of items
+                pass
+    if len(items) == len(children) and all(v is c for (_, v), c in zip(items, children)):
+        return [k for k, _ in items]
+    keys: list[Any] = []
+    for c in children:
+        at = next((i for i, (_, v) in enumerate(items) if v is c), None)
+        keys.append(_NO_KEY if at is None else items.pop(at)[0])
+    return keys
+
+
+def _registered_unflatten(unflatten: Unflatten) -> Unflatten:
+    return lambda aux, children: unflatten(aux[0], children)
+
+
+def _registered_entry(aux: Any, i: int) -> str:
+    entries = aux[1]
+    if entries is None:
+        return f"[{i}]"
+    entry = entries[i]
+    return str(entry) if isinstance(entry, _TORCH_KEYS) else f"[{entry!r}]"
+
+
+def _registered_keys(aux: Any) -> Any:
+    return aux[2]
+
+
+def _registered(tp: type, flatten: Flatten, unflatten: Unflatten) -> Kind:
+    """The rule of a type registered here, with torch pytree or with optree; a mapping's children have keys."""
+    mapping = issubclass(tp, collections.abc.Mapping)
+    keys = _registered_keys if mapping else None
+    return Kind(NODE, _registered_flatten(flatten, mapping), unflatten, _registered_entry, keys)
+
+
+def _flatten_with_keys(with_keys: Any, obj: Any) -> tuple[list[Any], Any, list[Any]]:
+    """torch pytree's ``flatten_with_keys_fn`` in optree's convention: (children, context, the entry of each)."""
+    pairs, context = with_keys(obj)
+    return [child for _, child in pairs], context, [entry for entry, _ in pairs]

@@ -139,16 +139,21 @@ def set_index(index: int) -> None:
 def resolve_device(device: DeviceLike, verb: str = "move to", current: bool = True) -> torch.device:
     """The torch.device for ``device``, or ValueError/TypeError naming it (and ``verb``, "check against" for one).
 
-    ``"cpu:0"`` is ``"cpu"``, as tensors say. An accelerator named without an index (``"cuda"``)
-    means its current device, as ``.to()`` reads it: that index is filled in, unless ``current`` is
-    False, for a caller that fills it in on each call, since the current device can change.
+    ``"cpu:0"`` is ``"cpu"`` and ``"meta:0"`` is ``"meta"``, as tensors say (``as_tensors_say``). An accelerator
+    named without an index (``"cuda"``) means its current device, as ``.to()`` reads it: that index is filled in,
+    unless ``current`` is False, for a caller that fills it in on each call, since the current device can change.
     """
     dev = _device_arg(device, verb)
-    if dev.type == "cpu":
-        return torch.device("cpu")
+    if dev.type in HOST_TYPES:
+        return as_tensors_say(dev)
     if current and means_current(dev):
         return torch.device(dev.type, current_index())
     return dev
+
+
+def as_tensors_say(dev: torch.device) -> torch.device:
+    """``dev`` as a tensor there reports its device: torch drops the index of the host's (``cpu:0``) and meta's."""
+    return torch.device(dev.type) if dev.type in HOST_TYPES and dev.index is not None else dev
 
 
 def means_current(dev: torch.device) -> bool:
@@ -195,6 +200,16 @@ def on_device(device: torch.device) -> Any:
     if device.index is None or not is_accelerator(device) or device.index == current_index():
         return contextlib.nullcontext()
     return accel.device_index(device.index)
+
+
+def no_pinned_memory() -> str | None:
+    """Why this machine has no page-locked host memory (the first line of torch's error), or None where it has: no
+    accelerator, or a backend without a pinned-memory allocator."""
+    try:
+        torch.empty(1).pin_memory()
+    except RuntimeError as err:  # NotImplementedError too: a PrivateUse1 backend without the allocator
+        return str(err).splitlines()[0]
+    return None
 
 
 def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -244,6 +259,18 @@ def check_stream(stream: Any) -> None:
             f"device, such as torch.Stream(device='cuda'), or None."
         )
         raise TypeError(msg)
+
+
+def issuing(stream: torch.Stream | None, device: torch.device) -> torch.Stream | None:
+    """The stream a move to ``device`` issues its copies on: ``stream``, or None for a host stream with a host target.
+
+    The host has no streams to order (``torch.Stream(device="cpu")`` names none that an accelerator call accepts), and
+    a copy into host memory from host memory is made as it is called; so a device-agnostic loop that makes its stream
+    with ``torch.Stream(device=device)`` moves to the CPU as without one, as a compiled move does with any stream.
+    """
+    if stream is not None and device.type in HOST_TYPES and stream.device.type in HOST_TYPES:
+        return None
+    return stream
 
 
 def enter_stream(stream: torch.Stream, device: torch.device) -> Entered:

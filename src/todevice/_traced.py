@@ -89,6 +89,14 @@ def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """
     if TRACES:
         return fn
+    why = f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
+    return _outside_graph(fn, why)
+
+
+def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn``, run as plain Python where dynamo meets it: a graph break, and under fullgraph=True dynamo's error, which
+    names the function by ``name``. Dynamo breaks the graph at a function marked ``_torchdynamo_disable``, and the
+    function turns dynamo off while it runs."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         callback = _EVAL_FRAME.set_eval_frame(None)
@@ -97,9 +105,7 @@ def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         finally:
             _EVAL_FRAME.set_eval_frame(callback)
 
-    run.__name__ = run.__qualname__ = (
-        f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
-    )
+    run.__name__ = run.__qualname__ = name
     run._torchdynamo_disable = True  # type: ignore[attr-defined]
     _never_compiled(run)
     return run
@@ -288,6 +294,8 @@ def _moved(x: Any, h: _How) -> Any:
             if name in attrs:  # a field with init=False and no default may never have been set
                 object.__setattr__(out, name, _moved(attrs[name], h))
         return out
+    if rule == _SET:  # a set subclass: its rule makes one with set.__new__, which dynamo (2.13) fails on
+        return _set_outside_graph(x, _tree.kind_of(tp), h)
     if rule == _NODE:  # by its _tree rule; where dynamo cannot trace that, the graph breaks, and it runs as Python
         return _node(x, _tree.kind_of(tp), h)
     h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
@@ -295,7 +303,7 @@ def _moved(x: Any, h: _How) -> Any:
 
 
 # How _moved takes an object of a type it does not test for itself: what ``_rule`` says.
-_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE = range(9)
+_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE, _SET = range(10)
 _TAKES_DTYPE = 16  # or'ed into _TO and _TO_NB where the type's .to() takes dtype=
 
 
@@ -331,7 +339,7 @@ def _rule(tp: type) -> int:
             # Before 2.12 dynamo cannot list an instance's attributes. Those of a dataclass are its
             # fields, unless its __post_init__ sets more (or code outside it does, which cannot be seen).
             return _DATACLASS if LISTS_ATTRIBUTES or hasattr(tp, "__post_init__") else _FIELDS
-        return _NODE
+        return _SET if issubclass(tp, set) else _NODE
     return _UNKNOWN
 
 
@@ -372,6 +380,10 @@ def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
     else:
         done = [_moved(v, h) for v in children]
     return kind.unflatten(aux, done)  # type: ignore[misc]
+
+
+# A set subclass, moved by its rule as plain Python: the graph breaks there (fullgraph=True raises).
+_set_outside_graph = _outside_graph(_node, "todevice.move() of a set subclass, which dynamo cannot make")
 
 
 def _met(x: Any, h: _How) -> Any:

@@ -19,6 +19,7 @@ import operator
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -40,7 +41,11 @@ from todevice._objects import (  # re-exported: the kinds are _tree's words to e
     Kind as Kind,
     Unflatten as Unflatten,
     _container_base as _container_base,
+    _flatten_with_keys as _flatten_with_keys,
     _object_kind as _object_kind,
+    _registered as _registered,
+    _registered_entry as _registered_entry,
+    _registered_unflatten as _registered_unflatten,
 )
 
 # Atomic types besides the subclasses of _ATOMIC_BASES.
@@ -57,6 +62,18 @@ def _is_atomic_type(tp: type) -> bool:
         return True
     numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
     return numpy is not None and issubclass(tp, numpy.generic)
+
+
+# functorch's wrappers (the tensors inside torch.func.vmap or grad) have no memory of their own: data_ptr() raises.
+# They exist only while a transform is active, which one C call tells.
+wrapped: Callable[[torch.Tensor], bool] = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
+transforming: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", bool)
+
+
+def has_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor over memory of its own, which one copy reads and writes as bytes: strided, not
+    nested, and not a functorch wrapper. Sparse, nested and wrapped tensors travel as they are, each by its own copy."""
+    return t.layout is torch.strided and not t.is_nested and not wrapped(t)
 
 
 class Slot(int):
@@ -312,77 +329,9 @@ _registry: dict[type, Kind] = {}  # the rule of each registered type
 # optree, unknown types and plain mappings, which a later registration or removal there, or a ``.to()`` given to the
 # class, would change, each with what it was worked out under.
 _kinds: dict[int, Kind] = {}
-_late: dict[int, tuple[Kind, tuple[int, int]]] = {}
+_late: dict[int, tuple[Kind, tuple[Any, Any]]] = {}
 _refs: dict[int, weakref.ref[type]] = {}
 _generation = [0]  # bumped by every registration change
-
-
-def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
-    """A registered flatten, its aux ``(aux, entries)``; of a mapping, ``(aux, entries, keys)``."""
-
-    def run(obj: Any) -> tuple[list[Any], Any]:
-        out = flatten(obj)
-        children, aux = list(out[0]), out[1]
-        entries = out[2] if len(out) > 2 else None
-        return children, (aux, entries)
-
-    def run_mapping(obj: Any) -> tuple[list[Any], Any]:
-        children, (aux, entries) = run(obj)
-        keys = _keys_of_items(obj, children, entries)
-        if entries is None and all(k is not _NO_KEY for k in keys):
-            entries = keys  # paths in messages name the keys: ['lengths']
-        return children, (aux, entries, keys)
-
-    return run_mapping if mapping else run
-
-
-def _keys_of_items(obj: Any, children: list[Any], entries: Any) -> list[Any]:
-    """The key of each child of a registered mapping that is one of its items, ``_NO_KEY`` for any other: so that
-    ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput).
-
-    The flatten's own entries where each names the item that its child is; else each child's key by identity: its
-    values in order (the usual flatten), or else the first item not yet taken that is the child. Without entries, one
-    object under two keys is taken in the mapping's order, whatever order the flatten lists them in. Found with
-    ``is``, never an ``id()``: under torch.compile an ``id()`` would make dynamo guard on the objects of one batch.
-    """
-    try:
-        items = list(obj.items())
-    except Exception:  # a mapping that cannot list its items: none of its children is known as one
-        return [_NO_KEY] * len(children)
-    if entries is not None and len(entries) == len(children):
-        named = dict(items)
-        try:
-            if all(named.get(e, _NO_KEY) is c for e, c in zip(entries, children)):
-                return list(entries)
-        except TypeError:  # an entry that is no key (unhashable): not names of items
-            pass
-    if len(items) == len(children) and all(v is c for (_, v), c in zip(items, children)):
-        return [k for k, _ in items]
-    keys: list[Any] = []
-    for c in children:
-        at = next((i for i, (_, v) in enumerate(items) if v is c), None)
-        keys.append(_NO_KEY if at is None else items.pop(at)[0])
-    return keys
-
-
-def _registered_unflatten(unflatten: Unflatten) -> Unflatten:
-    return lambda aux, children: unflatten(aux[0], children)
-
-
-def _registered_entry(aux: Any, i: int) -> str:
-    entries = aux[1]
-    return f"[{entries[i]!r}]" if entries is not None else f"[{i}]"
-
-
-def _registered_keys(aux: Any) -> Any:
-    return aux[2]
-
-
-def _registered(tp: type, flatten: Flatten, unflatten: Unflatten) -> Kind:
-    """The rule of a type registered here, with torch pytree or with optree; a mapping's children have keys."""
-    mapping = issubclass(tp, collections.abc.Mapping)
-    keys = _registered_keys if mapping else None
-    return Kind(NODE, _registered_flatten(flatten, mapping), unflatten, _registered_entry, keys)
 
 
 def _check_registration(cls: object, flatten: object, unflatten: object) -> None:
@@ -544,8 +493,12 @@ def _pytree_kind(tp: type) -> Kind | None:
     node = _pytree.SUPPORTED_NODES.get(tp)
     if node is not None:
         rebuild = node.unflatten_fn  # torch's order: (children, context)
-        return _registered(tp, node.flatten_fn, lambda aux, ch: rebuild(ch, aux[0]))
-    entry: Any = optree.register_pytree_node.get(tp)  # optree's own convention is todevice.register()'s
+        flatten: Any = node.flatten_fn
+        with_keys = getattr(node, "flatten_with_keys_fn", None)
+        if with_keys is not None and issubclass(tp, collections.abc.Mapping):  # its children's keys, as torch says
+            flatten = functools.partial(_flatten_with_keys, with_keys)
+        return _registered(tp, flatten, lambda aux, ch: rebuild(ch, aux[0]))
+    entry: Any = _optree_entry(tp)  # optree's own convention is todevice.register()'s
     if entry is not None:
         return _registered(tp, entry.flatten_func, _registered_unflatten(entry.unflatten_func))
     return None
@@ -607,13 +560,16 @@ def _late_rule(tp: type) -> Kind:
 
 def kind_of(tp: type) -> Kind:
     """The cached classification of ``tp``: from ``_kinds``, or from ``_late`` while what it was worked out under
-    holds (the registries' sizes, and that the class has no ``.to()`` yet), else worked out now."""
+    holds (what torch pytree and optree hold for ``tp``, and that the class has no ``.to()`` yet), else worked out
+    now."""
     kind = _kinds.get(id(tp))
     if kind is not None:
         return kind
     late = _late.get(id(tp))
-    if late is not None and late[1] == _counts() and not _given(tp):
-        return late[0]
+    if late is not None:
+        node, entry = late[1]
+        if node is _pytree.SUPPORTED_NODES.get(tp) and entry is _optree_entry(tp) and not _given(tp):
+            return late[0]
     _learn(tp)
     kind = _kinds.get(id(tp))
     if kind is not None:
@@ -622,13 +578,17 @@ def kind_of(tp: type) -> Kind:
     return _classify(tp) if late is None else late[0]  # None: a registration made meanwhile, not cached
 
 
-# optree's registry, read for its size only: one registration there, or one removed, changes the count (a version
-# of optree without it is not watched). torch pytree's is read the same way.
-_OPTREE_NODES: dict[Any, Any] = getattr(optree.registry, "_NODETYPE_REGISTRY", None) or {}
+# optree's registry: its global namespace's rule for a type is the entry under the type itself. Each registration
+# makes a new entry, so a rule given, removed or replaced there is told by identity, as torch pytree's NodeDef is. A
+# dict lookup: optree's own getter takes its lock, 0.36 against 0.05 us on a 2-core x86 VM. An optree without that
+# dict is asked through its getter.
+_OPTREE_NODES: dict[Any, Any] | None = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
+_optree_entry: Any = optree.register_pytree_node.get if _OPTREE_NODES is None else _OPTREE_NODES.get
 
 
-def _counts() -> tuple[int, int]:
-    return len(_pytree.SUPPORTED_NODES), len(_OPTREE_NODES)
+def _foreign(tp: type) -> tuple[Any, Any]:
+    """What torch pytree and optree's global namespace hold for ``tp``: a registration or removal there changes it."""
+    return _pytree.SUPPORTED_NODES.get(tp), _optree_entry(tp)
 
 
 def _given(tp: type) -> bool:
@@ -645,7 +605,7 @@ def _learn(tp: type) -> int:
     # it is only cached when no registration happened since.
     generation = _generation[0]
     kind = _settled(tp)
-    under = None if kind is not None else _counts()
+    under = None if kind is not None else _foreign(tp)
     if kind is None:
         kind = _late_rule(tp)
     with _lock:

@@ -338,7 +338,9 @@ def describe(leaf: Any) -> str:
             shape = f"of shape {tuple(leaf.shape)}"
         except RuntimeError:  # a nested tensor has no single shape
             shape = "nested"
-        return f"{type(leaf).__qualname__} {shape}, {leaf.dtype}, on {leaf.device}"
+        layout = "" if leaf.layout is torch.strided else f", {str(leaf.layout).removeprefix('torch.')}"
+        held = ", wrapped by torch.func (vmap or grad)" if _tree.wrapped(leaf) else ""
+        return f"{type(leaf).__qualname__} {shape}, {leaf.dtype}{layout}, on {leaf.device}{held}"
     return type(leaf).__qualname__
 
 

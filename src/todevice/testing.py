@@ -501,6 +501,7 @@ class _Parts(NamedTuple):
     entries: list[str]
     children: list[Any]
     keys: list[Any] | None = None  # a mapping's key of each child (_UNSET for an attribute), for skip_keys
+    elements: list[Any] | None = None  # a set or frozenset subclass's elements, matched apart from its attributes
 
 
 def _is_atom(tp: type) -> bool:
@@ -524,10 +525,12 @@ def _slot_names(klass: type) -> tuple[str, ...]:
 
 
 def _object(x: Any) -> _Parts:
-    """A dataclass, dict or list subclass, UserDict, UserList or ChainMap: its attributes, then its items.
+    """A dataclass; a subclass of dict, list, tuple, deque, set or frozenset; a UserDict, UserList or ChainMap: its
+    attributes, then its items.
 
     Fields in their order, then the other instance attributes (in ``__dict__`` or slots) by name,
-    then the items of a dict or list subclass. A UserDict keeps its items in an attribute, ``data``.
+    then the items of a dict, list, tuple or deque subclass; a set or frozenset subclass's elements are matched as a
+    set's. A UserDict keeps its items in an attribute, ``data``.
     """
     tp = type(x)
     fields = [f.name for f in dataclasses.fields(x)] if dataclasses.is_dataclass(x) else []
@@ -551,12 +554,20 @@ def _object(x: Any) -> _Parts:
         names += [f"[{k!r}]" for k in items]
         children += [dict.__getitem__(x, k) for k in items]
         keys += items
-    elif isinstance(x, list):
-        values = list(list.__iter__(x))
+    elif isinstance(x, (set, frozenset)):
+        return _Parts("entries", names, children, keys, list(_items_of(x)))
+    elif isinstance(x, (list, tuple, collections.deque)):
+        values = list(_items_of(x))
         names += [f"[{i}]" for i in range(len(values))]
         children += values
         keys += [_UNSET] * len(values)
     return _Parts("entries", names, children, keys)
+
+
+def _items_of(x: Any) -> Any:
+    """A list, tuple, deque, set or frozenset subclass's items, read by its built-in base (not its own ``__iter__``)."""
+    base: Any = next(b for b in (list, tuple, collections.deque, set, frozenset) if isinstance(x, b))
+    return base.__iter__(x)
 
 
 def _structseq(x: Any) -> _Parts:
@@ -568,6 +579,7 @@ def _structseq(x: Any) -> _Parts:
 
 
 _IN_ATTRIBUTES = (collections.UserDict, collections.UserList, collections.ChainMap)
+_IN_ITEMS = (dict, list, tuple, collections.deque, set, frozenset, *_IN_ATTRIBUTES)
 _WEAK = (weakref.WeakValueDictionary, weakref.WeakKeyDictionary)
 
 
@@ -595,7 +607,7 @@ def _parts(x: Any) -> _Parts | None:
         return _Parts("fields", [f".{name}" for name in tp._fields], list(x))
     if isinstance(x, tuple) and hasattr(tp, "n_sequence_fields"):
         return _structseq(x)
-    if dataclasses.is_dataclass(tp) or isinstance(x, (dict, list, *_IN_ATTRIBUTES)):
+    if dataclasses.is_dataclass(tp) or isinstance(x, _IN_ITEMS):  # namedtuples and structseqs told apart above
         return _object(x)
     if isinstance(x, _WEAK):  # rebuilt around new tensors, it would drop them at once: kept as it is
         return None
@@ -647,8 +659,7 @@ def _target(device: Any) -> torch.device:
             msg = f"Cannot read device {device!r}: an int is an accelerator's index, and there is no accelerator here."
             raise ValueError(msg)
         return torch.device(accelerator.type, device)
-    target = torch.device(device)
-    return torch.device("cpu") if target.type == "cpu" else target  # CPU tensors report no index: cpu:0 is cpu
+    return _stream.as_tensors_say(torch.device(device))  # CPU and meta tensors report no index: cpu:0 is cpu
 
 
 def _resolved(target: torch.device) -> torch.device:
@@ -883,12 +894,7 @@ class _Checker:
             self.fail(path, f"expected a container like the source's, got {_describe(result)}.")
             return
         if parts.what == "elements":
-            if len(got.children) != len(parts.children):
-                self.fail(path, f"expected {len(parts.children)} elements, got {len(got.children)}.")
-            if self.sets is None:
-                self.elements(got.children, parts.children, path)
-            else:
-                self.sets.append((got.children, parts.children, path))
+            self.set_of(got.children, parts.children, path)
             return
         if got.entries != parts.entries:
             if parts.what == "items":
@@ -905,6 +911,17 @@ class _Checker:
                 self.held(r, s, path + entry)
             else:
                 self.check(r, s, path + entry)
+        if parts.elements is not None:
+            self.set_of(got.elements or [], parts.elements, path)
+
+    def set_of(self, results: list[Any], sources: list[Any], path: str) -> None:
+        """A set's elements, each moved from one of the source's: matched now, or with every other set at the end."""
+        if len(results) != len(sources):
+            self.fail(path, f"expected {len(sources)} elements, got {len(results)}.")
+        if self.sets is None:
+            self.elements(results, sources, path)
+        else:
+            self.sets.append((results, sources, path))
 
     def held(self, result: Any, source: Any, path: str) -> None:
         """An item under a key of skip_keys: the very same object; in a packed batch, as the batch holds it."""

@@ -1002,3 +1002,31 @@ def test_a_deep_plain_batch_comes_back_through_the_general_way() -> None:
         there = [torch.ones(2).to("tdtest"), torch.zeros(2).to("tdtest"), deep]
     back, copies, _ = counted(lambda: todevice.move(there, "cpu", non_blocking=False))
     assert copies["d2h"] >= 1 and back[0].is_cpu and torch.equal(back[1], torch.zeros(2)) and back[2] == deep
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("sparse", ["coo", "csr"])
+def test_into_device_targets_a_sparse_source_is_refused_before_the_large_ones_are_written(sparse: str) -> None:
+    """The large tensors are copied alone before the small ones together: a sparse source among them must be refused
+    first, or out= would be left half written."""
+    with torch.inference_mode():
+        static = todevice.move(step(0), "tdtest")
+    b = step(1)
+    b["ids"] = torch.eye(7).to_sparse() if sparse == "coo" else torch.eye(7).to_sparse_csr()
+    static["ids"] = todevice.move(torch.zeros(7, 7), "tdtest")
+    before = dict(tdtest.COPIES)
+    refused = pytest.raises(ValueError, match=r"at \['ids'\], the batch holds a Tensor .*Nothing was copied")
+    with refused, torch.inference_mode():  # the targets are inference tensors
+        todevice.move(b, out=static)
+    assert before == tdtest.COPIES  # nothing crossed: the large tensor was not written
+
+
+def test_bench_runs_on_an_accelerator_without_page_locked_memory() -> None:
+    """Such a backend has no pinned form of the batch: bench() times the others, and checks the helper on each."""
+    assert todevice._stream.no_pinned_memory() is not None  # tdtest has no pinned-memory allocator
+    batch = {"x": torch.randn(3), "y": [torch.arange(4), "label"]}
+    with torch.inference_mode():
+        report = todevice.bench(batch, "tdtest", rounds=3)
+    assert {row.form for row in report.rows} == {"pageable", "already on tdtest:0"}
+    assert report.helper == "hand-written helper" and "hand-written helper" not in report.wrong
+    assert batch["x"].device.type == "cpu"

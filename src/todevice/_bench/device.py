@@ -194,9 +194,7 @@ def size_rows(rounds: int = 10) -> list[dict[str, Any]] | str:
     found, _ = contenders()
     found.pop("optree.tree_map")
     memories = ["pageable", "pinned", "on the device"]
-    try:
-        torch.empty(1).pin_memory()
-    except RuntimeError:  # a backend without pinned memory
+    if _stream.no_pinned_memory():  # a backend without pinned memory
         memories.remove("pinned")
     rows: list[dict[str, Any]] = []
     for name, host in carried_batches().items():

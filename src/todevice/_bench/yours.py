@@ -153,9 +153,20 @@ def difference(want: Any, got: Any) -> str | None:
             continue  # a nested or sparse tensor: its device, dtype and layout are what is compared
         if a.shape != b.shape:
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
-        if not torch.equal(a, b) and not (a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True)):
+        if not a.is_cpu:  # compared on the host: a backend may have no comparison kernels of its own
+            a, b = a.cpu(), b.cpu()
+        if a is not b and not torch.equal(a, b) and not _same_with_nan(a, b):
             return f"{where} holds other values than move() gives"
     return None
+
+
+def _same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same values, a NaN equal to a NaN at the same place, which
+    ``torch.equal`` never finds equal to itself. A complex tensor is compared part by part: ``allclose`` takes any
+    complex value with a NaN part for any other."""
+    if a.is_complex():
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+    return a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True)
 
 
 def _checked(fn: Mover, batch: Any, dev: torch.device, want: Any) -> str | None:
@@ -182,9 +193,18 @@ def _described(t: torch.Tensor) -> str:
 
 
 def _copy(batch: Any) -> Any:
-    """A copy of ``batch`` to check a contender on, so that one that changes its batch in place changes only this."""
+    """A copy of ``batch`` to check a contender on, so that one that changes its batch in place changes only this.
+
+    Its plain tensors off the host are copied with ``empty_like`` and ``copy_``, which every backend a batch is moved
+    to has: ``deepcopy`` clones their storage, which a backend without an allocator of its own cannot.
+    """
+    memo: dict[int, Any] = {}
+    for _, t in _inspect._tensors(batch):
+        if type(t) is torch.Tensor and not (t.is_cpu or t.is_meta) and t.layout == torch.strided and id(t) not in memo:
+            with torch.no_grad():
+                memo[id(t)] = torch.empty_like(t).copy_(t).requires_grad_(t.requires_grad)
     try:
-        return copy.deepcopy(batch)
+        return copy.deepcopy(batch, memo)
     except Exception:  # an object that cannot be copied: the batch itself, whose tensors are then watched
         return batch
 
@@ -220,11 +240,16 @@ def _contenders(helper: Mover | None) -> tuple[dict[str, Mover], str, tuple[str,
 
 
 def _forms(batch: Any, dev: torch.device) -> dict[str, Any]:
-    """The forms of the batch to time: as given, pinned and already on the device where that differs."""
+    """The forms of the batch to time: as given, pinned (where the machine has page-locked memory) and already on the
+    device where that differs."""
     host = any(t.is_cpu for _, t in _inspect._tensors(batch))
     if not _stream.is_accelerator(dev) or not host:
         return {"as given": batch}
-    return {"pageable": batch, "pinned": _pinned(batch), f"already on {dev}": todevice.move(batch, dev)}
+    forms = {"pageable": batch}
+    if not _stream.no_pinned_memory():
+        forms["pinned"] = _pinned(batch)
+    forms[f"already on {dev}"] = todevice.move(batch, dev)
+    return forms
 
 
 def _timed(fn: Mover, batch: Any, dev: torch.device, calls: int, sync: Callable[[], None]) -> tuple[float, float]:
