@@ -1,14 +1,15 @@
 """This version of move() against another, in one process: the calls a change to the engine can make cheaper or
 dearer, timed round by round, the two versions alternating which goes first.
 
-    python bench/ab_versions.py --base COMMIT [--rounds 60] [--seconds 150] [--json PATH]
+    python bench/ab_versions.py --base COMMIT [--rounds 60] [--seconds 150] [--json PATH] [--matrix]
 
 Run from a clone. The version at COMMIT is taken from this repository (``git archive``; or ``--base`` names a checkout
 of it) and imported as ``todevice_base`` beside the installed todevice, so both meet the same machine state, round
 after round: between processes, a shared machine's speed moves by more than the differences looked for. On an
 accelerator it times host-to-device moves (a bare ``"cuda"`` and an indexed one), a batch already on the device,
-device-to-host, ``out=`` and the prefetch loop; without one, the same calls with the CPU as the target. It prints the
-medians and the spread of the per-round ratios, and writes them as JSON where asked.
+device-to-host, ``out=`` and the prefetch loop; without one, the same calls with the CPU as the target. With
+``--matrix``, the size matrix of ``bench/bench_overhead.py`` instead: its batches of 1 to 10,000 tensors moved to
+``cpu`` and ``meta``. It prints the medians and the spread of the per-round ratios, and writes them as JSON where asked.
 """
 
 from __future__ import annotations
@@ -112,19 +113,39 @@ def cases(dev: torch.device) -> dict[str, tuple[int, bool, Callable[[Any, str], 
     }
 
 
+def matrix_cases() -> dict[str, tuple[int, bool, Callable[[Any, str], Any]]]:
+    """The size matrix's batches, to ``cpu`` and ``meta``: each timed over about 2 ms of calls."""
+    from todevice._bench.common import flat_batch, nested_batch, small_batches
+
+    batches = small_batches()
+    for n in (10, 100, 1000, 10_000):
+        batches[f"flat dict, {n:,}"] = flat_batch(n)
+        batches[f"nested with a dataclass, {n:,}"] = nested_batch(n)
+    out: dict[str, tuple[int, bool, Callable[[Any, str], Any]]] = {}
+    for name, tree in batches.items():
+        for dev in ("cpu", "meta"):
+            todevice.move(tree, dev)  # the plan and the caches made: the call after is a step's
+            start = time.perf_counter()
+            todevice.move(tree, dev)
+            calls = max(1, int(2e-3 / max(time.perf_counter() - start, 1e-7)))
+            out[f"{name}, {dev}"] = (calls, False, lambda m, t, tree=tree, dev=dev: m.move(tree, dev))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the commit to compare with, or a checkout of it (a folder)")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--seconds", type=float, default=150.0, help="stop starting rounds after this long")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--matrix", action="store_true", help="the size matrix's batches instead, to cpu and meta")
     args = parser.parse_args()
     start = time.perf_counter()
     base = import_base(args.base, pathlib.Path(__file__).resolve().parent.parent)
     acc = _stream.accelerator()
     dev = torch.device(acc.type, _stream.current_index()) if acc else torch.device("cpu")
     sync = _stream.accel.synchronize if acc else (lambda: None)
-    table = cases(dev)
+    table = matrix_cases() if args.matrix else cases(dev)
     versions = {"base": base, "this": todevice}
 
     def timed(case: str, tag: str) -> float:
