@@ -417,6 +417,17 @@ def corpus() -> dict[str, Any]:
     }
 
 
+def exotic(kind: str) -> torch.Tensor:
+    """A tensor that is not dense with memory of its own, by its kind: "sparse_coo", "sparse_csr", "nested" (strided)
+    or "jagged"."""
+    if kind == "sparse_coo":
+        return torch.eye(4).to_sparse()
+    if kind == "sparse_csr":
+        return torch.eye(4).to_sparse_csr()
+    layout = torch.jagged if kind == "jagged" else torch.strided
+    return torch.nested.nested_tensor([torch.ones(4), torch.arange(3.0)], layout=layout)
+
+
 def one_buffer(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Zeroed host targets like ``example``'s, views of one buffer laid out as coalescing lays it out (what move()
     gives on a GPU)."""

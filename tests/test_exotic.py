@@ -22,20 +22,11 @@ pytestmark = [
 KINDS = ["sparse_coo", "sparse_csr", "nested", "jagged", "vmap"]
 
 
-def exotic(kind: str) -> torch.Tensor:
-    """A tensor of ``kind`` (but "vmap", which only a function under torch.func.vmap receives)."""
-    if kind == "sparse_coo":
-        return torch.eye(4).to_sparse()
-    if kind == "sparse_csr":
-        return torch.eye(4).to_sparse_csr()
-    layout = torch.jagged if kind == "jagged" else torch.strided
-    return torch.nested.nested_tensor([torch.ones(4), torch.arange(3.0)], layout=layout)
-
-
 def under(kind: str, check: Any) -> None:
-    """``check(t)`` with a tensor of ``kind``: for "vmap", inside torch.func.vmap, which hands it a wrapper."""
+    """``check(t)`` with a tensor of ``kind`` (``helpers.exotic``); for "vmap", inside torch.func.vmap, which hands it a
+    wrapper."""
     if kind != "vmap":
-        check(exotic(kind))
+        check(helpers.exotic(kind))
         return
 
     def step(x: torch.Tensor) -> torch.Tensor:

@@ -295,17 +295,7 @@ def test_a_sparse_source_is_refused_before_anything_is_written() -> None:
     assert not static["b"].any()
 
 
-def _exotic(kind: str) -> torch.Tensor:
-    """A source out= does not copy, by its kind: sparse, nested (strided or jagged)."""
-    if kind == "sparse_csr":
-        return torch.eye(4).to_sparse_csr()
-    if kind == "sparse_coo":
-        return torch.eye(4).to_sparse()
-    layout = torch.jagged if kind == "jagged" else torch.strided
-    return torch.nested.nested_tensor([torch.ones(4), torch.ones(4)], layout=layout)
-
-
-EXOTIC = ["sparse_csr", "sparse_coo", "nested", "jagged"]
+EXOTIC = ["sparse_csr", "sparse_coo", "nested", "jagged"]  # helpers.exotic's kinds
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
@@ -319,7 +309,7 @@ def test_a_sparse_or_nested_source_gets_out_s_error_naming_its_path_before_any_w
     the copy (a CSR tensor has bytes but no data pointer; a strided nested one has no shape)."""
     example = {"x1": torch.ones(16), "big": torch.ones(40_000), "x2": torch.ones(4, 4), "x3": torch.ones(2)}
     static = helpers.one_buffer(example) if one_buffer else {k: torch.zeros_like(v) for k, v in example.items()}
-    b = dict(example, x2=_exotic(kind))
+    b = dict(example, x2=helpers.exotic(kind))
     with pytest.raises(ValueError, match=r"^Cannot copy into out: at \['x2'\], the batch holds a .*Nothing was copied"):
         todevice.move(b, out=static)
     assert not any(t.any() for t in static.values())
