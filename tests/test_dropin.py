@@ -1067,3 +1067,48 @@ def test_registered_mappings_holding_a_tensor_under_two_keys_skip_exactly_the_ke
         m[k] = pool[i]
     got = _moved_skipping({"m": m, "x": torch.ones(1)}, frozenset(skip), how)["m"]
     _check_skipped(got, m, frozenset(skip), how)
+
+
+@dataclasses.dataclass
+class Fields(collections.abc.Mapping):  # type: ignore[type-arg]
+    """A dataclass that is also a mapping of its fields, registered with torch pytree's register_dataclass: its
+    flatten_with_keys_fn names each child by GetAttrKey, and its context is not the one flatten_fn gives."""
+
+    logits: Any
+    lengths: Any = None
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def __iter__(self) -> Any:
+        return iter(("logits", "lengths"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+if hasattr(torch.utils._pytree, "register_dataclass"):
+    torch.utils._pytree.register_dataclass(Fields)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.utils._pytree, "register_dataclass"), reason="torch pytree has no register_dataclass"
+)
+@pytest.mark.parametrize("how", ["walk", "coalesced", "packed", "compiled", "out="])
+def test_a_mapping_registered_by_register_dataclass_moves_and_skips_its_keys(how: str) -> None:
+    """Its keys come from no MappingKey: each child is matched to the item that is that very object, so skip_keys
+    names it; and it is rebuilt with the context flatten_fn gives, which unflatten_fn takes."""
+    lengths = torch.tensor([2])
+    m = Fields(ones(2), lengths)
+    if how == "out=":  # into host targets of its own
+        static = {"m": Fields(torch.zeros(2), torch.zeros(1, dtype=torch.int64))}
+        got = todevice.move({"m": m}, out=static, skip_keys="lengths")["m"]
+    else:
+        got = _moved_skipping({"m": m}, "lengths", how)["m"]
+    assert type(got) is Fields
+    if how == "out=":
+        assert torch.equal(got.logits, ones(2)) and not got.lengths.any()
+    else:
+        assert got.logits.device == META and got.lengths.device == CPU
+        assert how == "packed" or got.lengths is lengths
+    assert todevice.move({"m": m}, "meta")["m"].lengths.device == META  # without skip_keys, moved

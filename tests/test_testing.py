@@ -612,3 +612,20 @@ def test_the_module_exports_its_functions_and_keeps_the_sample_classes_importabl
     from todevice.testing import FrozenMapping, Pair, Record, TaggedDict  # what a printed example names
 
     assert Pair._fields == ("a", "b") and issubclass(TaggedDict, dict) and FrozenMapping and Record
+
+
+def test_a_registered_container_subclass_is_checked_by_its_registered_rule() -> None:
+    """torch pytree's rule for a tuple subclass takes precedence over the subclass's own, as in move(): what its
+    flatten keeps aside (here, a tensor) stays where it is."""
+
+    class Tagged(tuple):  # type: ignore[type-arg]
+        def __new__(cls, a: Any, meta: Any) -> Tagged:
+            out = super().__new__(cls, (a,))
+            out.meta = meta
+            return out
+
+    torch.utils._pytree.register_pytree_node(Tagged, lambda t: ([t[0]], t.meta), lambda ch, meta: Tagged(ch[0], meta))
+    source = Tagged(torch.ones(1), torch.ones(2))
+    moved = todevice.move(source, "meta")
+    assert moved[0].is_meta and moved.meta is source.meta
+    assert_moved(moved, source, "meta")

@@ -545,3 +545,18 @@ def test_registries_that_change_at_a_constant_size_always_give_the_rule_register
     finally:
         for i in list(where):
             unregister(i)
+
+
+def test_a_class_registered_with_optree_then_unregistered_dies_with_its_last_instance() -> None:
+    """The check of a late rule holds the functions optree's entry holds, never the entry, which holds the class."""
+    import gc
+    import weakref
+
+    cls: Any = type("Passing", (_Two,), {})
+    optree.register_pytree_node(cls, lambda o: ([o.x, o.y], None), _both(_Two)[1], namespace=_EVERYWHERE)
+    todevice.move([cls(torch.ones(1), torch.ones(1))], "meta")
+    optree.unregister_pytree_node(cls, namespace=_EVERYWHERE)
+    ref = weakref.ref(cls)
+    del cls
+    gc.collect()
+    assert ref() is None

@@ -119,7 +119,8 @@ def test_nan_values_are_equal_to_nan_values() -> None:
     assert not any("your helper" in name for name in report.wrong)
 
 
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.parametrize("dtype", [torch.complex32, torch.complex64, torch.complex128])
 def test_a_complex_nan_is_equal_to_itself_and_a_correct_helper_is_timed(dtype: torch.dtype) -> None:
     """move() and the helper may give back the very same tensor: equal, NaN and all."""
     x = torch.tensor([complex(float("nan"), 1.0), 2j, complex(3.0, float("nan"))], dtype=dtype)

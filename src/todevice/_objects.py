@@ -255,15 +255,16 @@ def _keys_of_items(obj: Any, children: list[Any], entries: Any, context: Any) ->
     """The key of each child of a registered mapping that is one of its items, ``_NO_KEY`` for any other: so that
     ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput).
 
-    Read from the registration where it says: torch pytree's ``flatten_with_keys_fn`` (a ``MappingKey`` names an
-    item's key, any other entry no item), optree's entries, or a context that lists the keys (a dict-like
-    registration's), each taken where every key it names holds that very child. Else each child's key by identity:
+    Read from the registration where it says: torch pytree's ``flatten_with_keys_fn`` where it names every child by a
+    ``MappingKey`` (``register_dataclass`` names them by ``GetAttrKey``: no keys), optree's entries, or a context that
+    lists the keys (a dict-like registration's), each taken where every key it names holds that very child. Else
+    each child's key by identity:
     its values in order (the usual flatten), or else the first item not yet taken that is the child; so one object
     under two keys is taken in the mapping's order, whatever order the flatten lists them in. Found with ``is``,
     never an ``id()``: under torch.compile an ``id()`` would make dynamo guard on the objects of one batch.
     """
-    if entries is not None and len(entries) == len(children) and entries and isinstance(entries[0], _TORCH_KEYS):
-        return [e.key if type(e) is _MAPPING_KEY else _NO_KEY for e in entries]  # type: ignore[attr-defined]
+    if entries and all(type(e) is _MAPPING_KEY for e in entries):  # torch's keys for a mapping's items
+        return [e.key for e in entries]
     try:
         items = list(obj.items())
     except Exception:  # a mapping that cannot list its items: none of its children is known as one
@@ -309,7 +310,11 @@ def _registered(tp: type, flatten: Flatten, unflatten: Unflatten) -> Kind:
     return Kind(NODE, _registered_flatten(flatten, mapping), unflatten, _registered_entry, keys)
 
 
-def _flatten_with_keys(with_keys: Any, obj: Any) -> tuple[list[Any], Any, list[Any]]:
-    """torch pytree's ``flatten_with_keys_fn`` in optree's convention: (children, context, the entry of each)."""
-    pairs, context = with_keys(obj)
-    return [child for _, child in pairs], context, [entry for entry, _ in pairs]
+def _flatten_with_keys(flatten: Any, with_keys: Any, obj: Any) -> tuple[list[Any], Any, list[Any] | None]:
+    """torch pytree's ``flatten_fn``, in optree's convention: (children, context, the entry of each), the entries those
+    ``flatten_with_keys_fn`` gives where it lists the very same children. Its context is never used: torch does not
+    keep it equal to ``flatten_fn``'s, which ``unflatten_fn`` takes (``register_dataclass``'s is not)."""
+    children, context = flatten(obj)
+    pairs = with_keys(obj)[0]
+    named = len(pairs) == len(children) and all(c is d for (_, c), d in zip(pairs, children))
+    return children, context, [entry for entry, _ in pairs] if named else None

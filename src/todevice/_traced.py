@@ -294,7 +294,7 @@ def _moved(x: Any, h: _How) -> Any:
             if name in attrs:  # a field with init=False and no default may never have been set
                 object.__setattr__(out, name, _moved(attrs[name], h))
         return out
-    if rule == _SET:  # a set subclass: its rule makes one with set.__new__, which dynamo (2.13) fails on
+    if rule == _SET:  # a set or frozenset subclass: its rule makes one with its base's __new__, which dynamo fails on
         return _set_outside_graph(x, _tree.kind_of(tp), h)
     if rule == _NODE:  # by its _tree rule; where dynamo cannot trace that, the graph breaks, and it runs as Python
         return _node(x, _tree.kind_of(tp), h)
@@ -339,7 +339,7 @@ def _rule(tp: type) -> int:
             # Before 2.12 dynamo cannot list an instance's attributes. Those of a dataclass are its
             # fields, unless its __post_init__ sets more (or code outside it does, which cannot be seen).
             return _DATACLASS if LISTS_ATTRIBUTES or hasattr(tp, "__post_init__") else _FIELDS
-        return _SET if issubclass(tp, set) else _NODE
+        return _SET if issubclass(tp, (set, frozenset)) else _NODE
     return _UNKNOWN
 
 
@@ -382,8 +382,8 @@ def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
     return kind.unflatten(aux, done)  # type: ignore[misc]
 
 
-# A set subclass, moved by its rule as plain Python: the graph breaks there (fullgraph=True raises).
-_set_outside_graph = _outside_graph(_node, "todevice.move() of a set subclass, which dynamo cannot make")
+# A set or frozenset subclass, moved by its rule as plain Python: the graph breaks there (fullgraph=True raises).
+_set_outside_graph = _outside_graph(_node, "todevice.move() of a set or frozenset subclass, which dynamo cannot make")
 
 
 def _met(x: Any, h: _How) -> Any:

@@ -496,7 +496,7 @@ def _pytree_kind(tp: type) -> Kind | None:
         flatten: Any = node.flatten_fn
         with_keys = getattr(node, "flatten_with_keys_fn", None)
         if with_keys is not None and issubclass(tp, collections.abc.Mapping):  # its children's keys, as torch says
-            flatten = functools.partial(_flatten_with_keys, with_keys)
+            flatten = functools.partial(_flatten_with_keys, flatten, with_keys)
         return _registered(tp, flatten, lambda aux, ch: rebuild(ch, aux[0]))
     entry: Any = _optree_entry(tp)  # optree's own convention is todevice.register()'s
     if entry is not None:
@@ -566,10 +566,8 @@ def kind_of(tp: type) -> Kind:
     if kind is not None:
         return kind
     late = _late.get(id(tp))
-    if late is not None:
-        node, entry = late[1]
-        if node is _pytree.SUPPORTED_NODES.get(tp) and entry is _optree_entry(tp) and not _given(tp):
-            return late[0]
+    if late is not None and late[1] == _foreign(tp) and not _given(tp):  # functions compare by identity
+        return late[0]
     _learn(tp)
     kind = _kinds.get(id(tp))
     if kind is not None:
@@ -578,17 +576,22 @@ def kind_of(tp: type) -> Kind:
     return _classify(tp) if late is None else late[0]  # None: a registration made meanwhile, not cached
 
 
-# optree's registry: its global namespace's rule for a type is the entry under the type itself. Each registration
-# makes a new entry, so a rule given, removed or replaced there is told by identity, as torch pytree's NodeDef is. A
-# dict lookup: optree's own getter takes its lock, 0.36 against 0.05 us on a 2-core x86 VM. An optree without that
-# dict is asked through its getter.
+# optree's registry: its global namespace's rule for a type is the entry under the type itself. A rule given, removed
+# or replaced there changes the functions that entry holds, as one with torch pytree changes its NodeDef's. A dict
+# lookup: optree's own getter takes its lock, 0.36 against 0.05 us on a 2-core x86 VM. An optree without that dict is
+# asked through its getter.
 _OPTREE_NODES: dict[Any, Any] | None = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
 _optree_entry: Any = optree.register_pytree_node.get if _OPTREE_NODES is None else _OPTREE_NODES.get
 
 
 def _foreign(tp: type) -> tuple[Any, Any]:
-    """What torch pytree and optree's global namespace hold for ``tp``: a registration or removal there changes it."""
-    return _pytree.SUPPORTED_NODES.get(tp), _optree_entry(tp)
+    """The functions torch pytree and optree's global namespace hold for ``tp``, which a registration or removal there
+    changes: never their entries, which hold ``tp`` itself and would keep a class unregistered there alive."""
+    node, entry = _pytree.SUPPORTED_NODES.get(tp), _optree_entry(tp)
+    return (
+        None if node is None else (node.flatten_fn, node.unflatten_fn, getattr(node, "flatten_with_keys_fn", None)),
+        None if entry is None else (entry.flatten_func, entry.unflatten_func),
+    )
 
 
 def _given(tp: type) -> bool:

@@ -40,7 +40,9 @@ import weakref
 from collections.abc import Callable, Collection, Hashable, Iterable
 from typing import Any, NamedTuple, NoReturn
 
+import optree
 import torch
+import torch.utils._pytree as _pytree
 
 try:
     import hypothesis
@@ -591,6 +593,8 @@ def _parts(x: Any) -> _Parts | None:
     tp = type(x)
     if _is_atom(tp) or isinstance(x, torch.Tensor):
         return None
+    if tp in _tree._registry:  # todevice.register() takes precedence over every other rule
+        return _registered(x)
     if tp is dict or tp is collections.defaultdict:
         return _keyed(list(x), list(x.values()))
     if tp is collections.OrderedDict:
@@ -607,6 +611,8 @@ def _parts(x: Any) -> _Parts | None:
         return _Parts("fields", [f".{name}" for name in tp._fields], list(x))
     if isinstance(x, tuple) and hasattr(tp, "n_sequence_fields"):
         return _structseq(x)
+    if tp in _pytree.SUPPORTED_NODES or _optree_global(tp):  # registered there: that rule, not a subclass's
+        return _registered(x)
     if dataclasses.is_dataclass(tp) or isinstance(x, _IN_ITEMS):  # namedtuples and structseqs told apart above
         return _object(x)
     if isinstance(x, _WEAK):  # rebuilt around new tensors, it would drop them at once: kept as it is
@@ -614,11 +620,22 @@ def _parts(x: Any) -> _Parts | None:
     if isinstance(x, collections.abc.Mapping):
         keys = list(x)
         return _keyed(keys, [x[k] for k in keys])
-    kind = _tree.kind_of(tp)  # a type registered with todevice.register(), or a rule newer than this module
+    return _registered(x)  # a rule newer than this module, if any
+
+
+def _registered(x: Any) -> _Parts | None:
+    """The children of a type registered with todevice, torch pytree or optree, by its registered flatten."""
+    kind = _tree.kind_of(type(x))
     if kind.code == _tree.NODE and kind.flatten is not None and kind.entry is not None:
         children, aux = kind.flatten(x)
         return _Parts("entries", [kind.entry(aux, i) for i in range(len(children))], list(children))
     return None
+
+
+def _optree_global(tp: type) -> bool:
+    """Whether ``tp`` itself is registered in optree's global namespace (not as any namedtuple or structseq is)."""
+    entry = optree.register_pytree_node.get(tp)
+    return entry is not None and entry.type is tp
 
 
 # Containers a move builds anew even around nothing to move, so that a change to the result never
