@@ -262,6 +262,7 @@ def _wrong_cases() -> dict[str, tuple[Any, Callable[[Any], Any], str]]:
     t = torch.arange(6.0).reshape(2, 3)
     tied = t.detach()
     label = "".join(["la", "bel"])  # made at run time: an equal string is another object
+    obj = object()  # no value: only the very same object is right
     reordered = collections.OrderedDict([("a", t), ("b", 1)])
     reordered.move_to_end("a")
     grad = torch.ones(2, requires_grad=True)
@@ -295,7 +296,8 @@ def _wrong_cases() -> dict[str, tuple[Any, Callable[[Any], Any], str]]:
             lambda o: {"g": o["g"].detach().requires_grad_()},
             "At ['g']: expected a tensor connected to the source's autograd graph",
         ),
-        "replaced-leaf": ({"name": label}, lambda o: {"name": "".join(["la", "bel"])}, "At ['name']: expected the"),
+        "replaced-leaf": ({"name": label}, lambda o: {"name": "other"}, "At ['name']: expected str 'label', got str"),
+        "replaced-object": ({"o": obj}, lambda o: {"o": object()}, "At ['o']: expected the very same object"),
         "ordereddict-order": (
             {"od": reordered},
             lambda o: {"od": collections.OrderedDict(sorted(o["od"].items()))},
@@ -315,8 +317,8 @@ def _wrong_cases() -> dict[str, tuple[Any, Callable[[Any], Any], str]]:
         ),
         "subclass-attribute": (
             TaggedDict(label, {"k": t}),
-            lambda o: TaggedDict("".join(["la", "bel"]), o),
-            "At .tag: expected the very same object as in the source, str 'label', got a copy",
+            lambda o: TaggedDict("other", o),
+            "At .tag: expected str 'label', got str 'other'",
         ),
         "attribute-left-behind": (
             {"r": tt._record(1, 2, None, t)},
@@ -357,7 +359,7 @@ def _wrong_cases() -> dict[str, tuple[Any, Callable[[Any], Any], str]]:
         "in-place": (
             {"x": [t]},
             lambda o: None,  # replaced below: the source itself, moved in place
-            "At the top level: expected a new dict, got the source's own",
+            "At ['x']: expected a new list, got the source's own",  # what it holds first, then itself
         ),
     }
 
@@ -629,3 +631,61 @@ def test_a_registered_container_subclass_is_checked_by_its_registered_rule() -> 
     moved = todevice.move(source, "meta")
     assert moved[0].is_meta and moved.meta is source.meta
     assert_moved(moved, source, "meta")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"size": torch.Size([2, 3]), "x": torch.ones(1)},
+        {"name": "".join(["la", "bel"]), "n": 10**20, "f": float("nan"), "x": torch.ones(1)},
+        [torch.ones(1), (torch.Size([4]), "a")],
+    ],
+    ids=["torch.Size", "str-int-nan", "tuple-of-atoms"],
+)
+def test_an_immutable_value_rebuilt_equal_is_right(source: Any) -> None:
+    """A helper may rebuild an immutable value (a torch.Size through type(x)(...), a string, a number): an equal value
+    of the same type is what a move must keep."""
+
+    def rebuilt(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to("meta")
+        if isinstance(x, dict):
+            return {k: rebuilt(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(rebuilt(v) for v in x)
+        if isinstance(x, str):
+            return "".join(list(x))
+        return float(str(x)) if isinstance(x, float) else x
+
+    assert_moved(rebuilt(source), source, "meta")
+
+
+def test_an_immutable_value_that_differs_is_named() -> None:
+    source = {"size": torch.Size([2, 3]), "x": torch.ones(1)}
+    with pytest.raises(AssertionError, match=r"At \['size'\]: expected Size torch\.Size\(\[2, 3\]\), got Size"):
+        assert_moved({"size": torch.Size([2, 4]), "x": torch.ones(1, device="meta")}, source, "meta")
+    with pytest.raises(AssertionError, match=r"At \['size'\]: expected Size .*, got tuple \(2, 3\)"):
+        assert_moved({"size": (2, 3), "x": torch.ones(1, device="meta")}, source, "meta")
+
+
+def test_a_helper_that_skips_a_container_is_told_the_tensor_it_left_behind() -> None:
+    """Before the container's identity: the tensor inside it that was not moved, at its path."""
+    source = {"r": Record(torch.ones(2), [torch.zeros(1)])}
+    with pytest.raises(AssertionError, match=r"At \['r'\]\.a: expected a tensor on meta, .*it was not moved"):
+        assert_moved({"r": source["r"]}, source, "meta")
+
+
+def test_compare_passes_a_correct_hand_written_helper_on_every_kind_it_handles() -> None:
+    """Dicts, lists and tuples (a torch.Size among the values rebuilt by type(x)(...)), and bare tensors."""
+
+    def to_device(data: Any, device: Any) -> Any:
+        if isinstance(data, torch.Tensor):
+            return data.to(device)
+        if isinstance(data, dict):
+            return {k: to_device(v, device) for k, v in data.items()}
+        if isinstance(data, (list, tuple)):
+            return type(data)(to_device(v, device) for v in data)
+        return data
+
+    report = compare(to_device, containers=["dict", "list", "tuple"], aliasing=False)
+    assert report.ok, report

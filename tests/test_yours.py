@@ -185,6 +185,9 @@ MODULE = """
 
     def drops_the_dataclass(batch, device):
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def moves_nothing(batch, device):
+        return batch
 """
 
 
@@ -243,6 +246,26 @@ def test_a_bad_batch_or_helper_is_one_line_of_error(
 ) -> None:
     code, _, err = _cli(tmp_path, monkeypatch, capsys, *args)
     assert code == 2 and says in err
+
+
+@pytest.mark.parametrize("helper", ["drops_the_dataclass", "moves_nothing"])
+def test_on_cpu_a_helper_that_leaves_a_tensor_behind_is_named_and_not_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], helper: str
+) -> None:
+    """Timed on cpu, where the tensors already are, a helper that moves nothing gives move()'s result there: it is
+    checked on meta too, where what it leaves behind shows; the command line as todevice.bench()."""
+    code, out, err = _cli(tmp_path, monkeypatch, capsys, "--batch", "my_batches:make_batch", "--helper",
+                          f"my_batches:{helper}", "--device", "cpu", "--rounds", "3")  # fmt: skip
+    assert code == 0, err
+    line = f"Not timed, since its result differs from move()'s: your helper (my_batches.{helper}): moved to meta"
+    assert line in out and "['sample'].image is a torch.float32 tensor of shape (4, 3) on cpu" in out
+    assert f"| as given | your helper (my_batches.{helper})" not in out
+    import my_batches  # type: ignore[import-not-found]
+
+    report = todevice.bench(my_batches.make_batch(), "cpu", helper=getattr(my_batches, helper), rounds=3)
+    assert report.helper == "todevice.move" and any(helper in name for name in report.wrong)
+    right = todevice.bench(my_batches.make_batch(), "cpu", helper=my_batches.to_device, rounds=3)
+    assert right.helper.startswith("your helper") and not any("to_device" in name for name in right.wrong)
 
 
 @pytest.mark.parametrize(

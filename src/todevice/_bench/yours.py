@@ -252,6 +252,23 @@ def _forms(batch: Any, dev: torch.device) -> dict[str, Any]:
     return forms
 
 
+_META = torch.device("meta")
+
+
+def _checks(forms: dict[str, Any], dev: torch.device) -> list[tuple[str, Any, torch.device, Any]]:
+    """What each contender is checked on, before it is timed: (label, batch, device, move()'s result) for each form.
+    On the host, where the tensors already are, a helper that moves nothing gives the right result: it is checked
+    on meta too, where every tensor it leaves behind shows."""
+    many = len(forms) > 1
+    checks = [
+        (f"{form}: " if many else "", variant, dev, todevice.move(variant, dev)) for form, variant in forms.items()
+    ]
+    if dev.type == "cpu":
+        label = "moved to meta, where a tensor left behind shows (it is timed on cpu): "
+        checks += [(label, variant, _META, todevice.move(variant, _META)) for variant in forms.values()]
+    return checks
+
+
 def _timed(fn: Mover, batch: Any, dev: torch.device, calls: int, sync: Callable[[], None]) -> tuple[float, float]:
     """Seconds per call until ``calls`` calls returned, and until their copies finished."""
     sync()
@@ -287,13 +304,13 @@ def bench(
     sync = (lambda: _stream.synchronize(dev)) if _stream.is_accelerator(dev) else (lambda: None)
     found, helper_name, missing = _contenders(helper)
     forms = _forms(batch, dev)  # made before any contender runs: one that changes its batch changes only its copy
-    wants = {form: todevice.move(variant, dev) for form, variant in forms.items()}
+    checks = _checks(forms, dev)
     wrong: dict[str, str] = {}
     for cname, fn in list(found.items())[1:]:
-        for form, variant in forms.items():  # each form it is timed on, each on a copy
-            why = _checked(fn, variant, dev, wants[form])
+        for label, variant, where, want in checks:  # each form it is timed on, each on a copy
+            why = _checked(fn, variant, where, want)
             if why is not None:
-                wrong[cname] = why if len(forms) == 1 else f"{form}: {why}"
+                wrong[cname] = f"{label}{why}"
                 del found[cname]
                 break
     yardstick = helper_name if helper_name in found else MOVE  # a wrong helper is no yardstick: then move() is
