@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,3 +79,14 @@ def test_the_dataloader_recipe_runs_as_written(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "Tensor 0"
+
+
+def test_a_run_of_compiled_tests_and_doctests_ends_without_a_traceback() -> None:
+    """dynamo keeps entries in the globals of what it compiled and deletes them when the code dies: doctest clears a
+    doctest's globals, and the interpreter's exit a test module's, first. The test set-up (tests/conftest.py) has
+    both go in order, so a green run ends green."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+    tests = ["tests/test_compile.py::test_fullgraph_move_matches_eager", "docs/api.md"]
+    run = subprocess.run([*command, *tests], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "Traceback" not in run.stdout + run.stderr and "Exception ignored" not in run.stdout + run.stderr
