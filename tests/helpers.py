@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import dataclasses
 import enum
 from typing import Any, NamedTuple
@@ -433,6 +434,13 @@ def one_buffer(example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     gives on a GPU)."""
     lay = _layout.layout_for(list(example.values()), None)
     return dict(zip(example, _layout.read(torch.zeros(lay.nbytes, dtype=torch.uint8), lay)))
+
+
+def left_behind(name: str) -> Any:
+    """What moving the corpus's tree ``name`` warns: the module it holds is left behind, with a warning."""
+    if name == "module-inside":
+        return pytest.warns(todevice.errors.TensorsLeftBehindWarning, match="nn.Module")
+    return contextlib.nullcontext()
 
 
 class Copies(TorchDispatchMode):

@@ -425,7 +425,7 @@ def test_an_attribute_access_dict_is_walked_once_per_item() -> None:
 
 def test_attributes_are_read_and_written_below_getattr() -> None:
     inner = Inner()
-    with pytest.warns(TensorsLeftBehindWarning, match=r"Inner through as it is, so the tensor in its \.t "):
+    with pytest.warns(TensorsLeftBehindWarning, match=r"Inner at \.inner through as it is: the tensor in its \.t "):
         out = todevice.move(Delegating(inner), "meta")
     assert inner.t.device == CPU and inner.__dict__.keys() == {"t"}  # the input is untouched
     assert out.inner is inner  # an object todevice does not know, kept as it is
@@ -861,7 +861,7 @@ def test_no_left_behind_warning_for_a_tensor_already_on_the_target() -> None:
         warnings.simplefilter("error")
         todevice.move({"h": Holds(torch.ones(1, device="meta")), "x": ones()}, "meta")
         todevice.move({"h": Holds(ones()), "x": ones()}, "cpu")
-    with pytest.warns(TensorsLeftBehindWarning, match=r"Holds through as it is, so the tensor in its \.t"):
+    with pytest.warns(TensorsLeftBehindWarning, match=r"Holds at \['h'\] through as it is: the tensor in its \.t"):
         todevice.move({"h": Holds(ones()), "x": ones()}, "meta")
     with pytest.warns(TensorsLeftBehindWarning):  # a cast would have copied it
         todevice.move({"h": Holds(torch.ones(1, device="meta")), "x": ones()}, "meta", dtype=torch.float16)

@@ -109,7 +109,8 @@ def test_deep_fallback_walk_matches_the_recursive_walk(tree: Any) -> None:
 def test_corpus_matches_reference(name: str) -> None:
     tree = CORPUS[name]
     before = helpers.snapshot(tree)
-    helpers.assert_same_tree(todevice.move(tree, "meta"), helpers.reference_move(tree, "meta"))
+    with helpers.left_behind(name):
+        helpers.assert_same_tree(todevice.move(tree, "meta"), helpers.reference_move(tree, "meta"))
     helpers.assert_snapshot_equal(before, helpers.snapshot(tree))
 
 
@@ -427,10 +428,32 @@ def test_packed_sequence_uses_its_own_to() -> None:
     assert out.batch_sizes.device == CPU
 
 
-def test_module_is_left_as_it_is() -> None:
+def test_module_is_left_as_it_is_with_a_warning_naming_its_path_and_the_fix() -> None:
     m = torch.nn.Linear(2, 2)
-    out = todevice.move({"m": m, "x": torch.ones(1)}, "meta")
-    assert out["m"] is m and m.weight.device == CPU
+    said = r"passed the nn.Module torch.nn.modules.linear.Linear at \['m'\] through as it is: its .to\(\) moves it in"
+    for coalesce in (None, True, False):
+        with pytest.warns(todevice.errors.TensorsLeftBehindWarning, match=said + r".*Move it with module.to\(device\)"):
+            out = todevice.move({"m": m, "x": torch.ones(1)}, "meta", coalesce=coalesce)
+        assert out["m"] is m and m.weight.device == CPU
+    with pytest.raises(TypeError, match=r"\['m'\]: Linear \(an nn.Module: move it with module.to\(device\)\)"):
+        todevice.move({"m": m}, "meta", strict=True)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda t: (v for v in [t]), lambda t: iter([t]), lambda t: map(lambda v: v, [t])],
+    ids=["gen", "iter", "map"],
+)
+def test_an_iterator_is_passed_through_with_a_warning_naming_its_path(make: Any) -> None:
+    """Walking it would use it up: it comes back as it is, and the warning says to pass a list."""
+    it = make(torch.ones(1))
+    for how in ({}, {"coalesce": True}, {"dtype": torch.float64}):
+        with pytest.warns(todevice.errors.TensorsLeftBehindWarning, match=r"at \['b'\]\[1\] through as it is: walking"):
+            out = todevice.move({"b": [torch.ones(1), it]}, "meta", **how)
+        assert out["b"][1] is it
+    assert next(it).device == CPU  # not used up
+    with pytest.raises(TypeError, match=r"an iterator, which a walk would use up: pass a list or a tuple"):
+        todevice.move({"b": it}, "meta", strict=True)
 
 
 # ---------------------------------------------------------------- precedence

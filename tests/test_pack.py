@@ -824,7 +824,8 @@ def test_corpus_round_trips_through_pack_and_the_coalesced_path(name: str) -> No
     if name != "module-inside":  # a module comes back from pickle as another, unequal, module
         again = pickle.loads(pickle.dumps(todevice.pack(tree))).unpack()
         helpers.assert_same_tree(again, helpers.reference_move(tree, "cpu"), values=True, same=False)
-    helpers.assert_same_tree(todevice.move(tree, "meta", coalesce=True), helpers.reference_move(tree, "meta"))
+    with helpers.left_behind(name):
+        helpers.assert_same_tree(todevice.move(tree, "meta", coalesce=True), helpers.reference_move(tree, "meta"))
 
 
 def test_dataclasses_and_dict_subclasses_are_packed_by_todevice_rules() -> None:

@@ -50,7 +50,9 @@ def test_registered_type_is_moved(registered_pair: type) -> None:
 
 def test_unregistered_type_passes_through() -> None:
     p = Pair(torch.ones(1), 2)
-    with pytest.warns(TensorsLeftBehindWarning, match=r"test_tree\.Pair through as it is, so the tensor in its \.a "):
+    with pytest.warns(
+        TensorsLeftBehindWarning, match=r"test_tree\.Pair at the top level through as it is: the tensor in its \.a "
+    ):
         assert todevice.move(p, "meta") is p
 
 
@@ -194,17 +196,24 @@ def test_an_unknown_object_holding_a_tensor_warns_once_per_place_naming_it_and_t
     assert out["h"].t.device.type == "cpu" and out["x"].is_meta
     shown = {str(w.message) for w in record}
     assert shown == {
-        "move() passed a tests.test_tree.Holder through as it is, so the tensor in its .t (and any other it holds) "
-        "was not moved. Register its type with todevice.register(), give it a .to() method, or pass strict=True to "
-        "make this an error."
+        "move() passed a tests.test_tree.Holder at ['h'] through as it is: the tensor in its .t (and any other it "
+        "holds) was not moved. Register its type with todevice.register(), give it a .to() method, or pass "
+        "strict=True to make this an error."
     }
     assert all(w.filename == __file__ for w in record)  # it points at the caller's line, not into todevice
 
 
-def test_objects_holding_no_tensor_and_modules_pass_through_without_a_warning() -> None:
+def test_objects_holding_no_tensor_and_modules_on_the_target_pass_through_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        batch = {"h": Holder("text"), "m": torch.nn.Linear(1, 1), "n": Holder(3), "x": torch.ones(1)}
+        model = torch.nn.Linear(1, 1).to("meta")
+        batch = {
+            "h": Holder("text"),
+            "m": model,
+            "n": Holder(3),
+            "x": torch.ones(1),
+            "i": iter,
+        }  # a builtin, not an iterator
         out = todevice.move(batch, "meta")
     assert out["h"] is batch["h"] and out["m"] is batch["m"]
     with pytest.raises(TypeError, match=r"\['h'\]: Holder"):

@@ -51,13 +51,12 @@ class _Gather(Exception): ...  # a move to the CPU met a tensor off the host, wh
 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], placed: Callable[[torch.Tensor], bool]) -> Any:
-    """The optimistic walk's other leaves: unknown objects (with a warning where they hold tensors not in place) and
-    modules stay; a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over."""
-    if code == _tree.UNKNOWN:
-        _walk.left_behind(x, placed)
-    elif code != _tree.MODULE:
-        raise _NeedsMemo
-    return x
+    """The optimistic walk's other leaves: unknown objects and modules that leave nothing behind stay; one that does,
+    a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over (it records what
+    is left behind, and the move warns, naming its path)."""
+    if (code == _tree.UNKNOWN or code == _tree.MODULE) and _walk.left_behind(x, code, placed) is None:
+        return x
+    raise _NeedsMemo
 
 
 class Bare(NamedTuple):
@@ -255,6 +254,7 @@ class State:
         self.memo: dict[int, tuple[Any, Any]] = {}
         self.made = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
+        self.left: list[tuple[Any, tuple[str, str]]] = []  # objects passed through that leave tensors behind, warned of
         self.waits: set[torch.device] = set()  # devices a move to the host waits for, beyond its sources'
 
     def outputs(self) -> list[torch.Tensor]:
@@ -333,11 +333,15 @@ def _walk_again(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an 
     return s.finish(_walked(obj, s, obj))
 
 
-def _walked(x: Any, s: State, original: Any) -> Any:  # the memo walk over x; errors name paths in original
+def _walked(x: Any, s: State, original: Any) -> Any:  # the memo walk over x; errors and warnings name paths in original
     try:
-        return _memo_walk(x, s)
+        out = _memo_walk(x, s)
     except LeafError as failure:
         _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
+    if s.left:
+        _walk.warn_left_behind(s.left, original, also=x)
+        s.left.clear()
+    return out
 
 
 def _memo_walk(x: Any, s: State) -> Any:  # the memo walk over x, on a stack past Python's recursion limit
@@ -386,7 +390,10 @@ def _leaf(x: Any, code: int, s: State) -> Any:
         return _to_object(x, s)
     if code == _tree.OWN:
         return x._todevice_move_(s)
-    return _plain_objects_only(x, code, [], s.plan.placed)  # nn.Modules and unknown objects: as they are
+    found = _walk.left_behind(x, code, s.plan.placed)  # nn.Modules and unknown objects: as they are
+    if found is not None:
+        s.left.append((x, found))
+    return x
 
 
 def _to_object(obj: Any, s: State) -> Any:

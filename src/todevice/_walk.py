@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import functools
+import itertools
 import operator
 import sys
 import warnings
@@ -622,22 +623,46 @@ def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
     return found or set(_stream.devices_in_use())
 
 
-def left_behind(obj: Any, placed: Callable[[torch.Tensor], bool]) -> None:
-    """Warn where an object move() passes through as it is holds, in an attribute of its own, a tensor that the
-    move would have copied (``placed`` says which it would not)."""
+def left_behind(obj: Any, code: int, placed: Callable[[torch.Tensor], bool]) -> tuple[str, str] | None:
+    """(what, why) for an object move() passes through as it is (unknown, or an nn.Module, by ``code``) that leaves
+    behind what the move would have moved (``placed`` says which tensors are in place): an nn.Module's parameters and
+    buffers, what an iterator yields, an unknown object's tensor attributes. None where it leaves nothing."""
+    tp = type(obj)
+    name = tp.__qualname__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
+    if code == _tree.MODULE:
+        try:
+            if all(map(placed, itertools.chain(obj.parameters(), obj.buffers()))):
+                return None
+        except Exception:  # a module whose parameters cannot be listed: nothing said of it
+            return None
+        why = "its .to() moves it in place, which would change the model, so its parameters and buffers were not moved"
+        return f"the nn.Module {name}", f"{why}. Move it with module.to(device)"
+    if isinstance(obj, collections.abc.Iterator):
+        why = "walking an iterator uses it up, so what it yields was not moved. Pass a list or a tuple instead"
+        return f"a {name} (an iterator)", why
     state = _state(obj)
     if type(state) is not dict:
-        return
-    for name, value in state.items():
+        return None
+    for attribute, value in state.items():
         if isinstance(value, torch.Tensor) and not placed(value):
-            tp = type(obj)
-            msg = (
-                f"move() passed a {tp.__module__}.{tp.__qualname__} through as it is, so the tensor in its .{name} "
-                f"(and any other it holds) was not moved. Register its type with todevice.register(), give it a "
-                f".to() method, or pass strict=True to make this an error."
+            why = (
+                f"the tensor in its .{attribute} (and any other it holds) was not moved. Register its type with "
+                f"todevice.register(), give it a .to() method"
             )
-            warnings.warn(msg, errors.TensorsLeftBehindWarning, stacklevel=_callers_level())
-            return
+            return f"a {name}", why
+    return None
+
+
+def warn_left_behind(found: list[tuple[Any, tuple[str, str]]], original: Any, also: Any = None) -> None:
+    """One ``TensorsLeftBehindWarning`` for each object ``left_behind`` found, naming its path in ``original`` (or in
+    ``also``, a packed batch's skeleton), at the caller's line."""
+    for obj, (what, why) in found:
+        path = find_path(original, obj)
+        if path is None and also is not None:
+            path = find_path(also, obj)
+        where = "" if path is None else f" at {format_path(path)}"
+        msg = f"move() passed {what}{where} through as it is: {why}, or pass strict=True to make this an error."
+        warnings.warn(msg, errors.TensorsLeftBehindWarning, stacklevel=_callers_level())
 
 
 def _callers_level() -> int:
@@ -656,6 +681,8 @@ def refuse_unknown(obj: Any, skip: frozenset[Any]) -> None:
             code = _tree.kind_of(type(node)).code
             if code == _tree.UNKNOWN or code == _tree.MODULE:
                 hint = " (an nn.Module: move it with module.to(device))" if code == _tree.MODULE else ""
+                if isinstance(node, collections.abc.Iterator):
+                    hint = " (an iterator, which a walk would use up: pass a list or a tuple)"
                 found.append(f"  {format_path(path)}: {type(node).__qualname__}{hint}")
     except CycleError as cycle:
         raise ValueError(cycle_message(cycle)) from None

@@ -31,11 +31,13 @@ class PackedBatchAttributeError(PackedBatchError, AttributeError):
 
 
 class TensorsLeftBehindWarning(UserWarning):
-    """``move()`` passed an object through that it does not walk (neither a container it knows, nor registered,
-    nor with a ``.to()`` of its own), and that object holds, in its ``__dict__``, a tensor the move would have
-    copied: it was not moved. The message names the type and the attribute, and the fixes: ``todevice.register()``
-    its type, give it a ``.to()``, or pass ``strict=True`` to make it an error. Python's default warning filter
-    shows it once per line of the calling code and message.
+    """``move()`` passed an object through as it is, which left behind what the move would have moved: an unknown
+    object (neither a container it knows, nor registered, nor with a ``.to()`` of its own) holding, in its
+    ``__dict__``, a tensor the move would have copied; an ``nn.Module`` whose parameters or buffers are not on the
+    target (its ``.to()`` moves it in place, which would change the model); or an iterator, such as a generator, which
+    a walk would use up. The message names the object's path and type, what was left, and the fix:
+    ``todevice.register()`` its type or give it a ``.to()``, ``module.to(device)``, or a list; or ``strict=True`` to
+    make it an error. Python's default warning filter shows it once per line of the calling code and message.
 
     .. versionadded:: 0.2.0
     """
