@@ -90,3 +90,17 @@ def test_a_run_of_compiled_tests_and_doctests_ends_without_a_traceback() -> None
     run = subprocess.run([*command, *tests], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:]
     assert "Traceback" not in run.stdout + run.stderr and "Exception ignored" not in run.stdout + run.stderr
+
+
+def test_one_floor_is_stated_everywhere() -> None:
+    """pyproject's lowest torch is the one the README, .ci/floor's usage and the CHANGELOG name."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    found = re.search(r'"torch>=([0-9.]+)"', pyproject)
+    assert found is not None
+    floor = found.group(1)
+    assert f"# {floor}: the oldest release the whole suite has passed on" in pyproject
+    assert f"torch {floor} or later" in (ROOT / "README.md").read_text()
+    assert f"todevice installs and runs with torch {floor} and later" in (ROOT / "CHANGELOG.md").read_text()
+    ci = ROOT / ".ci" / "floor"
+    if ci.exists():  # a checkout's; the source distribution leaves .ci/ out
+        assert f"(torch>={floor})" in ci.read_text()

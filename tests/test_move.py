@@ -154,9 +154,18 @@ def test_dtype_casts_only_floating_and_complex() -> None:
     assert out["i"] is tree["i"] and out["b"] is tree["b"]
 
 
-@pytest.mark.parametrize("bad", [torch.int64, torch.bool, "float16", 16])
+@pytest.mark.parametrize("bad", [torch.int64, torch.bool])
 def test_dtype_must_be_floating_or_complex(bad: Any) -> None:
     with pytest.raises(TypeError, match=r"move\(\) casts floating-point and complex tensors only"):
+        todevice.move(torch.ones(1), "cpu", dtype=bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [("float16", "got str. Pass torch.float16."), ("fp16", "got str. Pass a floating-point one"), (16, "got int")],
+)
+def test_a_dtype_that_is_no_torch_dtype_is_named_with_what_to_pass(bad: Any, says: str) -> None:
+    with pytest.raises(TypeError, match=rf"Cannot cast to dtype={bad!r}: expected a torch\.dtype, {says}"):
         todevice.move(torch.ones(1), "cpu", dtype=bad)
 
 
@@ -801,10 +810,17 @@ def test_negative_device_index() -> None:
         todevice.move(torch.ones(1), -1)
 
 
-@pytest.mark.parametrize("device", [None, True, 1.0, ["cpu"]])
+@pytest.mark.parametrize("device", [True, 1.0, ["cpu"]])
 def test_device_of_the_wrong_type(device: Any) -> None:
     with pytest.raises(TypeError, match=r"expected a str, an int or a torch\.device"):
         todevice.move(torch.ones(1), device)
+
+
+def test_no_device_is_named_as_such_and_where_it_may_be_left_out() -> None:
+    """The signature reads device=None: move() takes None only with out=, and says so."""
+    with pytest.raises(TypeError, match=r"device None: name the device, .* leaves it out only with out="):
+        todevice.move({"x": torch.ones(1)})
+    assert todevice.move({"x": torch.ones(1)}, out={"x": torch.zeros(1)})["x"].item() == 1
 
 
 def test_invalid_device_is_caught_before_anything_is_copied() -> None:

@@ -391,3 +391,12 @@ def test_a_helper_that_drops_a_tensor_inside_an_object_is_reported_not_raised() 
         {"x": torch.ones(2), "p": _Pair(a=torch.ones(2), b=torch.zeros(1))}, "meta", helper=drops, rounds=3
     )
     assert any(why.startswith("['p'].b is missing") for why in report.wrong.values()), report.wrong
+
+
+def test_a_module_not_found_says_where_it_was_looked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _cli(tmp_path, monkeypatch, capsys, "--batch", "elsewhere:make")
+    assert code == 2
+    assert f"cannot load 'elsewhere:make': there is no module elsewhere in the current folder ({tmp_path})" in err
+    assert "run from the folder that holds it, or add that folder to PYTHONPATH" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -134,7 +135,13 @@ def _callable(text: str) -> Any:
     try:
         found: Any = importlib.import_module(module)
     except Exception as err:  # whatever the module raised as it was imported: its own words, on one line
-        raise argparse.ArgumentTypeError(f"cannot load {text!r}: importing {module} raised {_one_line(err)}") from err
+        why = f"importing {module} raised {_one_line(err)}"
+        if isinstance(err, ModuleNotFoundError) and err.name == module.partition(".")[0]:  # the module itself
+            why = (
+                f"there is no module {module} in the current folder ({os.getcwd()}) nor on the module path; run "
+                f"from the folder that holds it, or add that folder to PYTHONPATH"
+            )
+        raise argparse.ArgumentTypeError(f"cannot load {text!r}: {why}") from err
     try:
         for part in name.split("."):
             found = getattr(found, part)

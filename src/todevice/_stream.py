@@ -86,6 +86,12 @@ def _invalid(device: object, why: str, verb: str = "move to") -> ValueError:
 
 
 def _device_arg(device: object, verb: str = "move to") -> torch.device:
+    if device is None:
+        msg = (
+            f"Cannot {verb} device None: name the device, such as 'cuda', 'cuda:1', 0 or torch.device('cpu'). "
+            f"move() leaves it out only with out=, whose tensors say where."
+        )
+        raise TypeError(msg)
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
         msg = (
             f"Cannot {verb} device {device!r}: expected a str, an int or a torch.device, "
