@@ -805,6 +805,27 @@ def test_before_torch_2_8_a_host_only_machine_has_no_accelerator(monkeypatch: py
         todevice.move(torch.ones(1), 0)
 
 
+def test_the_accelerator_is_asked_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking costs a call into the backend (and NVML, where Lightning set PYTORCH_NVML_BASED_CUDA_CHECK=1), so the
+    answer is kept for the process; a forked process asks again."""
+    asked: list[int] = []
+
+    class Counted(_stream._Backend):
+        def is_available(self) -> bool:
+            asked.append(1)
+            return False
+
+    monkeypatch.setattr(_stream, "accel", Counted())
+    static = {"x": torch.zeros(2)}
+    for _ in range(3):
+        todevice.move({"x": torch.ones(2)}, "cpu", dtype=torch.float64)
+        todevice.move({"x": torch.ones(2)}, out=static)
+        assert _stream.accelerator() is None and not _stream.is_accelerator(torch.device("cpu"))
+    assert asked == [1]
+    monkeypatch.setattr(_stream.os, "getpid", lambda: -1)  # another process's question
+    assert _stream.accelerator() is None and asked == [1, 1]
+
+
 def test_negative_device_index() -> None:
     with pytest.raises(ValueError, match="a device index cannot be negative"):
         todevice.move(torch.ones(1), -1)
