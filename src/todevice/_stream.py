@@ -75,10 +75,11 @@ def accelerator() -> torch.device | None:
 
 @functools.lru_cache(maxsize=8)
 def _asked(pid: int, backend: Any) -> torch.device | None:
-    """What ``backend`` says of process ``pid``'s accelerator. Asking costs a call into the backend each time, and with
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (which Lightning sets) a CUDA build loads NVML for it: per call, that made
-    ``move(batch, out=static)`` of 100 small tensors 1.6x to 1.85x as slow on a CUDA build without a GPU. A backend
-    does not come or go while a process runs; one registered after todevice first asked is not seen."""
+    """What ``backend`` says of process ``pid``'s accelerator. Asking calls into the backend, and with
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which Lightning sets, into NVML: ``torch.accelerator.is_available()`` took
+    72.6 us against 3.3 us (torch 2.14.1's CUDA build without a GPU, 2-core x86 VM), and a step of ``out=`` of 100
+    small tensors into meta views, which asked once, 396 us against 266 us asked once per process. A backend does not
+    come or go while a process runs; one registered after todevice first asked is not seen."""
     return backend.current_accelerator() if backend.is_available() else None
 
 
