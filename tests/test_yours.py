@@ -400,3 +400,103 @@ def test_a_module_not_found_says_where_it_was_looked_for(
     assert code == 2
     assert f"cannot load 'elsewhere:make': there is no module elsewhere in the current folder ({tmp_path})" in err
     assert "run from the folder that holds it, or add that folder to PYTHONPATH" in err
+
+
+# ---------------------------------------------------------------- the first screen's words
+
+
+def test_a_ratio_is_never_printed_as_zero() -> None:
+    from todevice._bench.common import ratio
+    from todevice._bench.host import _figure
+
+    assert [ratio(v) for v in (7.094, 1.0, 0.1, 0.0043)] == ["7.09x", "1.00x", "0.10x", "0.0043x"]
+    assert _figure([0.0031, 0.0043, 0.0052]) == "0.0043x (0.0031x to 0.0052x)"
+
+
+def _overhead_row(batch: str, helper: float, left: bool) -> dict[str, Any]:
+    tensors = 10
+    return {
+        "batch": batch,
+        "target": "meta",
+        "tensors": tensors,
+        "x_vs_move": {"todevice.move": 1.0, "hand-written helper": helper},
+        "spread_vs_move": {"hand-written helper": [helper * 0.95, helper, helper * 1.05]},
+        "tensors_on_target": {"todevice.move": tensors, "hand-written helper": tensors - 2 if left else tensors},
+    }
+
+
+def test_the_slower_rows_note_names_the_dataclass_only_where_the_helper_left_its_tensors() -> None:
+    from todevice._bench import host
+
+    plain = host.notes([_overhead_row("flat dict, 10", 0.8, left=False)])
+    assert plain[0].startswith("Where move() is slower") and "dataclass" not in plain[0]
+    nested = host.notes([_overhead_row("nested with a dataclass, 10", 0.8, left=True)])
+    assert "it moves the dataclass's tensors, which the helper leaves behind" in nested[0]
+    assert not any(n.startswith("Where move() is slower") for n in host.notes([_overhead_row("x", 1.5, False)]))
+
+
+def test_without_an_accelerator_the_first_screen_says_which_command_answers_the_gpu_questions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from todevice import _stream
+    from todevice._bench import host
+
+    monkeypatch.setattr(_stream, "accelerator", lambda: None)
+    assert (
+        "No accelerator here" in host.notes([])[-1] and "python -m todevice bench --device cuda" in host.notes([])[-1]
+    )
+    monkeypatch.setattr(_stream, "accelerator", lambda: torch.device("cuda"))
+    assert host.notes([]) == []
+
+
+def test_the_yardstick_s_own_row_says_so() -> None:
+    report = todevice.bench(make_batch(), "meta", helper=right, rounds=3)
+    lines = [line for line in str(report).splitlines() if line.startswith("| ") and report.helper in line]
+    assert lines and all(line.endswith("| the yardstick |") for line in lines)
+
+
+def test_plot_ticks_are_plain_numbers_and_the_1x_line_is_named_in_the_legend(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from todevice._bench import plot
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 10], [0.7, 3.0])
+    plot._ratio_axis(ax, [0.7, 3.0])
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert "1x" in labels and "2x" in labels and "0.5x" not in labels  # within the data's range, in plain numbers
+    assert all("^" not in label and "$" not in label for label in labels)
+    assert plot.ONE in [line.get_label() for line in ax.get_lines()]
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("other", [[], ["--device", "cpu"]], ids=["default device", "cpu"])
+def test_plot_draws_the_user_s_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], other: list[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "yours.png"
+    args = ["--batch", "my_batches:make_batch", "--helper", "my_batches:to_device", "--rounds", "3", "--plot", str(png)]
+    code, out, err = _cli(tmp_path, monkeypatch, capsys, *args, *other)
+    assert code == 0, err
+    assert f"drew {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_the_accelerator_s_size_matrix(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from todevice._bench import plot
+
+    rows = [
+        {"workload": f"{n}, {memory}", "memory": memory, "tensors": n, "contender": name, "x_helper_e2e": x * n**0.1}
+        for n in (1, 10, 100)
+        for memory in ("pageable", "pinned", "on the device")
+        for name, x in (("todevice.move", 2.0), ("hand-written helper", 1.0), ("accelerate", 0.9))
+    ]
+    png = tmp_path / "device.png"
+    plot.draw_device(rows, str(png), "a test GPU")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000

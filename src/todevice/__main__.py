@@ -39,8 +39,11 @@ LOADER_SECONDS = 1.0
 TESTS_TIMEOUT = 240  # seconds for tests/test_accelerator.py, after the tables
 
 
-def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapping[str, Any]) -> int:
-    """``bench --device cuda``: the accelerator's tables over ``rounds`` rounds, then its tests, in one JSON report.
+def accelerator_bench(
+    device: str, rounds: int, json_path: str | None, env: Mapping[str, Any], plot: str | None = None
+) -> int:
+    """``bench --device cuda``: the accelerator's tables over ``rounds`` rounds, then its tests, in one JSON report,
+    and the picture of its size matrix where ``plot`` says.
 
     Returns:
         0; 1 where the tests failed or timed out, or the JSON could not be written; 2 for a device that is not an
@@ -61,6 +64,12 @@ def accelerator_bench(device: str, rounds: int, json_path: str | None, env: Mapp
     print(f"The accelerator's tables on {dev}: {rounds} rounds (--device runs at most {DEVICE_ROUNDS}).\n", flush=True)
     with _stream.on_device(dev):
         tables = _bench.gpu_main(rounds=rounds)
+    sizes = next(iter(tables.values()))  # the size matrix: the first table, or why it did not run
+    if plot is not None and not isinstance(sizes, str):
+        from todevice._bench import plot as picture
+
+        picture.draw_device(sizes, plot, _machine(dev))
+        print(f"drew {plot}")
     tests: dict[str, object] = {"skipped": "tests/test_accelerator.py is not here: run from a checkout"}
     passed = True
     if os.path.exists(os.path.join("tests", "test_accelerator.py")):
@@ -103,7 +112,7 @@ def bench(
     if plot is not None:
         from todevice._bench import plot as picture
 
-        picture.draw(overhead["rows"], plot, f"{_bench.cpu_model()}, torch {torch.__version__}")
+        picture.draw(overhead["rows"], plot, _machine(None))
         print(f"drew {plot}")
     print()
     transfer = _bench.transfer_main(rounds=rounds, part=(2, 4))
@@ -157,7 +166,15 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
-def your_bench(make: Any, helper: Any, device: str | None, rounds: int, json_path: str | None, env: Any) -> int:
+def _machine(dev: torch.device | None) -> str:
+    """The machine a picture was drawn on: the accelerator's name where there is one, the CPU's, and torch's release."""
+    name = torch.cuda.get_device_name(dev) if dev is not None and dev.type == "cuda" else None
+    return f"{name or _bench.cpu_model()}, torch {torch.__version__}"
+
+
+def your_bench(
+    make: Any, helper: Any, device: str | None, rounds: int, json_path: str | None, env: Any, plot: str | None = None
+) -> int:
     """``bench --batch``: move() on the user's batch against their helper (or the hand-written one) and the peers."""
     import dataclasses
 
@@ -171,6 +188,11 @@ def your_bench(make: Any, helper: Any, device: str | None, rounds: int, json_pat
         print(f"python -m todevice bench: {err}", file=sys.stderr)
         return 2
     print(report, flush=True)
+    if plot is not None:
+        from todevice._bench import plot as picture
+
+        picture.draw_yours(report, plot, _machine(None))
+        print(f"drew {plot}")
     return 0 if _bench.write_json(json_path, {"yours": dataclasses.asdict(report)}, env) else 1
 
 
@@ -217,8 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_bench.json_path,  # a file that can be written, checked before anything is timed
         default=None,
         metavar="FILE.png",
-        help="also draw the first table: each contender's time over move()'s against the tensors in the batch "
-        '(needs matplotlib: pip install "todevice[plot]")',
+        help="also draw a picture of each contender's time over move()'s: the first table's, against the tensors in "
+        "the batch (with --device, the accelerator's; with --batch, yours, by contender; "
+        'needs matplotlib: pip install "todevice[plot]")',
     )
     bench_parser.add_argument(
         "--batch",
@@ -245,8 +268,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot is not None:
         from todevice._bench import plot as picture
 
-        if args.batch is not None or args.device is not None:
-            bench_parser.error("argument --plot: draws the host tables' first one; not with --batch or --device")
         if not picture.available():
             bench_parser.error(f"argument --plot: {picture.NEEDS}")
     if args.helper is not None and args.batch is None:
@@ -255,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.batches is not None:
             bench_parser.error("argument --batches: not with --batch, which times your batch, not the DataLoader")
         rounds = DEFAULTS["rounds"] if args.rounds is None else args.rounds
-        return your_bench(args.batch, args.helper, args.device, rounds, args.json, _environment(given, args))
+        return your_bench(args.batch, args.helper, args.device, rounds, args.json, _environment(given, args), args.plot)
     if args.device is not None and args.batches is not None:
         bench_parser.error(
             "argument --batches: not with --device, whose tables have no DataLoader; drop --batches, "
@@ -270,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds = min(args.rounds, DEVICE_ROUNDS)  # the rounds that run, and that the JSON records
     env = _environment(given, args)
     if args.device is not None:
-        return accelerator_bench(args.device, args.rounds, args.json, env)
+        return accelerator_bench(args.device, args.rounds, args.json, env, args.plot)
     return bench(args.rounds, args.batches, args.json, env, args.plot, args.row_seconds, args.loader_seconds)
 
 

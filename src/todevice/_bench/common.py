@@ -403,9 +403,17 @@ def _span(sizes: Sequence[int]) -> str:
     return f"{low:,} tensor{'s' if low > 1 else ''}" if low == high else f"{low:,} to {high:,} tensors"
 
 
-def _range(values: Sequence[float], fmt: str = "{:.2f}x") -> str:
-    low, high = min(values), max(values)
-    return fmt.format(low) if fmt.format(low) == fmt.format(high) else f"{fmt.format(low)} to {fmt.format(high)}"
+def ratio(value: float) -> str:
+    """A ratio as the tables print it: two decimals (``1.08x``), and two significant digits below 0.1x (``0.0043x``),
+    never ``0.00x``."""
+    return f"{value:.2f}x" if value >= 0.1 else f"{value:.2g}x"
+
+
+def _range(values: Sequence[float], fmt: str | None = None) -> str:
+    """``low to high`` of ``values``, each as ``fmt`` formats it (a ratio by default); one value where they agree."""
+    say: Any = ratio if fmt is None else fmt.format
+    low, high = say(min(values)), say(max(values))
+    return low if low == high else f"{low} to {high}"
 
 
 # The helper's time / move()'s time that move() aims for, by target and batch size.

@@ -39,6 +39,7 @@ from todevice._bench.common import (
     nested_batch,
     progress,
     quartiles_of,
+    ratio,
     recursive_to_device,
     report,
     small_batches,
@@ -200,7 +201,8 @@ def quartiles(row: dict[str, Any], name: str) -> list[float]:
 
 def _figure(q: Sequence[float], unit: str = "x") -> str:
     """A ratio as the median of its rounds, with their middle half: ``0.73x (0.66x to 0.80x)``."""
-    return f"{q[1]:.2f}x ({q[0]:.2f}{unit} to {q[2]:.2f}{unit})"
+    low, high = (ratio(v) if unit else ratio(v).removesuffix("x") for v in (q[0], q[2]))
+    return f"{ratio(q[1])} ({low} to {high})"
 
 
 # Where each device's rows are sent, and what their time is, in the words of the first screen.
@@ -241,6 +243,27 @@ def answer(rows: Rows) -> str:
         said[1:] = [part[0].upper() + part[1:] for part in said[1:]]
         lines.append(f"- {WHERE.get(target, 'to ' + target)}: move() is " + ". ".join(said) + ".")
     return "\n".join(lines)
+
+
+def notes(rows: Rows) -> list[str]:
+    """What the first screen says under its answer: why move() may be slower where it is, and that the GPU questions
+    need a GPU where this machine has none."""
+    said = []
+    slower = [r for r in rows if standing(*quartiles(r, HELPER)[::2]) == "slower"]  # as answer() names them
+    if slower:
+        left = any(r["tensors_on_target"][HELPER] < r["tensors"] for r in slower)
+        dataclass = "; and it moves the dataclass's tensors, which the helper leaves behind (see 'tensors moved')"
+        said.append(
+            "Where move() is slower, it keeps what the helper does not: tensors that share memory sharing it, and "
+            f"the batch unchanged{dataclass if left else ''}."
+        )
+    if _stream.accelerator() is None:
+        said.append(
+            "No accelerator here: what move() does on a GPU (many small tensors in one pinned copy, the host not "
+            "blocked, streams) cannot be measured on this machine. On one with a GPU: "
+            "python -m todevice bench --device cuda."
+        )
+    return said
 
 
 OVERHEAD = "move() against the hand-written helper and the peers"
@@ -288,11 +311,8 @@ def main(
     progress(part, f"{OVERHEAD}: {len(funcs)} contenders, {batches} batches to cpu and to meta, 5 more rows, {each}")
     rows = run(rounds=rounds, sizes=sizes, row_seconds=row_seconds)
     print(f"{OVERHEAD}.\n{answer(rows)}")
-    if "slower" in (standing(q[0], q[2]) for q in (quartiles(r, HELPER) for r in rows)):  # as answer() names one
-        print(
-            "Where move() is slower, it does what the helper does not: it moves the dataclass's tensors (see "
-            "'tensors moved'), keeps tensors that share memory sharing it, and never changes the batch."
-        )
+    for line in notes(rows):
+        print(line)
     print(
         "Columns: 'device' is where the batch goes: 'cpu', where its tensors already are (the cost of looking at "
         "the batch), or 'meta', where every tensor is copied with no data (the cost of the copies' bookkeeping). "

@@ -28,6 +28,7 @@ from todevice._bench.common import (
     _per_sample,
     contenders,
     quartiles_of,
+    ratio,
     recursive_to_device,
     standing,
 )
@@ -83,7 +84,7 @@ class Report:
                 "that share memory sharing it, and the batch unchanged."
             )
         columns = [c.replace("the helper's", "move()'s").replace("vs helper", "vs move()") for c in _COLUMNS]
-        lines += ["", *(columns if self.helper == MOVE else _COLUMNS), "", _table(self.rows, self.helper == MOVE)]
+        lines += ["", *(columns if self.helper == MOVE else _COLUMNS), "", _table(self.rows, self.helper)]
         for name, why in self.wrong.items():
             lines.append(f"Not timed, since its result differs from move()'s: {name}: {why}")
         if self.not_installed:
@@ -100,22 +101,22 @@ _COLUMNS = (
 
 
 def _said(row: Row) -> str:
-    spread = f"({row.low:.2f}x to {row.high:.2f}x)"
+    spread = f"({ratio(row.low)} to {ratio(row.high)})"
     if row.verdict == "faster":
-        return f"{row.speedup:.2f}x faster {spread}"
+        return f"{ratio(row.speedup)} faster {spread}"
     if row.verdict == "slower":
-        return f"slower: {1 / row.speedup:.2f}x the helper's time ({1 / row.high:.2f}x to {1 / row.low:.2f}x)"
+        return f"slower: {ratio(1 / row.speedup)} the helper's time ({ratio(1 / row.high)} to {ratio(1 / row.low)})"
     return f"no measurable difference {spread}"
 
 
-def _table(rows: tuple[Row, ...], to_move: bool = False) -> str:
-    """The rows as a Markdown table; ``to_move`` where the ratios are to move(), the helper being wrong."""
-    yardstick = "vs move()" if to_move else "vs helper"
-    head = f"| batch | contender | host us | end-to-end us | {yardstick} | middle half | verdict |"
-    lines = [head, "|---|---|---:|---:|---:|---|---|"]
+def _table(rows: tuple[Row, ...], yardstick: str) -> str:
+    """The rows as a Markdown table, each ratio to ``yardstick``: the helper, or move() where the helper is wrong."""
+    head = f"| batch | contender | host us | end-to-end us | vs {'move()' if yardstick == MOVE else 'helper'} |"
+    lines = [head + " middle half | verdict |", "|---|---|---:|---:|---:|---|---|"]
     for r in rows:
-        cells = [r.form, r.contender, f"{r.host_us:,.1f}", f"{r.end_to_end_us:,.1f}", f"{r.speedup:.2f}x"]
-        lines.append("| " + " | ".join([*cells, f"{r.low:.2f}x to {r.high:.2f}x", r.verdict]) + " |")
+        cells = [r.form, r.contender, f"{r.host_us:,.1f}", f"{r.end_to_end_us:,.1f}", ratio(r.speedup)]
+        verdict = "the yardstick" if r.contender == yardstick else r.verdict
+        lines.append("| " + " | ".join([*cells, f"{ratio(r.low)} to {ratio(r.high)}", verdict]) + " |")
     return "\n".join(lines)
 
 
