@@ -90,11 +90,19 @@ GPU_QUOTES: list[tuple[str, Callable[[], str]]] = [
 ]
 
 
-CPU_RUNS = ("overhead.json", "overhead-2.json", "overhead-3.json")
+# Three runs on each of two machines: a 2-core AMD EPYC VM and a 2-core Intel Xeon VM.
+CPU_RUNS = (
+    "overhead.json",
+    "overhead-2.json",
+    "overhead-3.json",
+    "overhead-xeon.json",
+    "overhead-xeon-2.json",
+    "overhead-xeon-3.json",
+)
 
 
 def _cpu_rows() -> Rows:
-    """The size matrix's rows of the three recorded CPU runs (not the rows about history or new dict keys)."""
+    """The size matrix's rows of the recorded CPU runs (not the rows about history or new dict keys)."""
     rows: Rows = []
     for name in CPU_RUNS:
         for r in json.loads((RESULTS / name).read_text())["rows"]:
@@ -192,3 +200,23 @@ def test_the_guard_figures_docs_api_quotes_are_the_recorded_runs() -> None:
         f"{max(r['overhead_us_per_hook'] for r in on):.2f}",
     )
     assert found.group(5) == ["one", "two", "three", "four", "five", "six"][len(runs) - 1]
+
+
+LOADER_RUNS = ("loader.json", "loader-xeon.json")  # two 2-core Intel Xeon VMs
+
+
+def test_the_dataloader_figures_the_readme_quotes_are_the_recorded_runs() -> None:
+    """The range, over the recorded runs it names, of collate()'s rate over default_collate's per sample size."""
+    text = " ".join(README.read_text().split())
+    assert all(f"`bench/results/{name}`" in text for name in LOADER_RUNS)
+    found = re.search(r"2 workers delivered (\S+ to \S+), (\S+ to \S+) and (\S+ to \S+) the batches per second", text)
+    assert found is not None, "the README no longer quotes the DataLoader's figures"
+    runs = [json.loads((RESULTS / name).read_text())["rows"] for name in LOADER_RUNS]
+    for fields, quoted in zip((10, 100, 400), found.groups()):
+        x = [
+            r["x_default_collate"]
+            for rows in runs
+            for r in rows
+            if r["tensors_per_sample"] == fields and r["contender"].startswith("todevice")
+        ]
+        assert quoted == _span(x), fields
