@@ -24,6 +24,7 @@ LAYERS = [
     "_objects",
     "_tree",
     "_walk",
+    "_passed",
     "_layout",
     "_back",
     "_into",
@@ -222,7 +223,7 @@ TAKES_PLAIN_CONTAINERS_APART = {
     "_walk.copy_for_to": "no batch walk: copies an object's own attribute dicts before its .to() writes them",
     "_walk._copy_plain_containers": "no batch walk: the same, at any depth",
     "_walk._items": "no batch walk: a UserDict's own dict, read in C",
-    "_walk.left_behind": "no batch walk: an object's __dict__, looked at for tensors left behind",
+    "_passed.left_behind": "no batch walk: an object's __dict__, looked at for tensors left behind",
 }
 
 

@@ -162,7 +162,12 @@ def test_dtype_must_be_floating_or_complex(bad: Any) -> None:
 
 @pytest.mark.parametrize(
     ("bad", "says"),
-    [("float16", "got str. Pass torch.float16."), ("fp16", "got str. Pass a floating-point one"), (16, "got int")],
+    [
+        ("float16", "got str. Pass torch.float16."),
+        ("fp16", "got str. Pass a floating-point one"),
+        ("int64", "got str. Pass a floating-point one"),  # a dtype move() does not cast to: not suggested
+        (16, "got int"),
+    ],
 )
 def test_a_dtype_that_is_no_torch_dtype_is_named_with_what_to_pass(bad: Any, says: str) -> None:
     with pytest.raises(TypeError, match=rf"Cannot cast to dtype={bad!r}: expected a torch\.dtype, {says}"):
@@ -1297,3 +1302,47 @@ def test_non_blocking_is_checked_on_every_call_not_only_the_first() -> None:
     for value in (1, "yes", None):
         with pytest.raises(TypeError, match="non_blocking"):
             todevice.move(t, "cpu", non_blocking=value)  # type: ignore[arg-type]
+
+
+class _Holds:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_many_objects_left_behind_make_one_warning_naming_the_first_places_and_a_count() -> None:
+    """One walk finds every place, and one warning per kind lists the first three: not a walk and a warning each."""
+    batch = {"objs": [_Holds(torch.ones(1)) for _ in range(2000)], "x": torch.ones(2)}
+    with pytest.warns(todevice.errors.TensorsLeftBehindWarning) as record:
+        todevice.move(batch, "meta")
+    (warned,) = [str(w.message) for w in record]
+    assert "at ['objs'][0], ['objs'][1], ['objs'][2] and 1997 more through as it is" in warned
+
+
+def test_a_left_behind_object_is_named_at_each_place_outside_skipped_items_and_inside_a_packed_batch() -> None:
+    m = torch.nn.Linear(2, 2)
+    with pytest.warns(todevice.errors.TensorsLeftBehindWarning, match=r"Linear at \['b'\]\[0\] through"):
+        todevice.move({"keep": m, "b": [m]}, "meta", skip_keys="keep")
+    with pytest.warns(todevice.errors.TensorsLeftBehindWarning, match=r"Linear at \['a'\], \['b'\]\[0\] through"):
+        todevice.move({"a": m, "b": [m]}, "meta")
+    with pytest.warns(todevice.errors.TensorsLeftBehindWarning, match=r"Linear at \['p'\]\['m'\] through"):
+        todevice.move({"p": todevice.pack({"m": m, "x": torch.ones(1)})}, "meta")
+
+
+def test_a_module_is_judged_by_its_first_parameter_and_an_iterator_of_no_tensors_is_not_warned_of() -> None:
+    class Huge(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = torch.nn.Parameter(torch.ones(1, device="meta"))
+
+        def parameters(self, recurse: bool = True) -> Any:
+            yield self.first
+            raise AssertionError("only the first parameter is read")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        todevice.move({"m": Huge(), "r": iter(range(3)), "s": iter("ab"), "x": torch.ones(1)}, "meta")
+
+
+def test_out_with_no_tensor_gives_out_back() -> None:
+    static = {"a": 1, "b": ["x"]}
+    assert todevice.move({"a": 1, "b": ["x"]}, "cpu", out=static) is static

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +258,9 @@ def test_on_cpu_a_helper_that_leaves_a_tensor_behind_is_named_and_not_timed(
     code, out, err = _cli(tmp_path, monkeypatch, capsys, "--batch", "my_batches:make_batch", "--helper",
                           f"my_batches:{helper}", "--device", "cpu", "--rounds", "3")  # fmt: skip
     assert code == 0, err
-    line = f"Not timed, since its result differs from move()'s: your helper (my_batches.{helper}): moved to meta"
+    line = (
+        f"Not timed, since its result differs from move()'s: your helper (my_batches.{helper}): checked moving to meta"
+    )
     assert line in out and "['sample'].image is a torch.float32 tensor of shape (4, 3) on cpu" in out
     assert f"| as given | your helper (my_batches.{helper})" not in out
     import my_batches  # type: ignore[import-not-found]
@@ -500,3 +503,31 @@ def test_plot_draws_the_accelerator_s_size_matrix(tmp_path: Path) -> None:
     png = tmp_path / "device.png"
     plot.draw_device(rows, str(png), "a test GPU")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_on_cpu_a_batch_move_cannot_send_to_meta_is_checked_where_it_is_timed() -> None:
+    """A strided nested tensor has no copy to meta: bench() checks on cpu alone, and times."""
+    batch = {"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "x": torch.ones(2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's: nested tensors are a prototype
+        report = todevice.bench(batch, "cpu", helper=lambda b, d: {k: v.to(d) for k, v in b.items()}, rounds=3)
+    assert report.helper.startswith("your helper")
+
+
+def test_on_cpu_a_helper_that_cannot_go_to_meta_is_judged_on_cpu_and_bench_s_own_move_does_not_warn() -> None:
+    def pins_off_the_cpu(batch: Any, device: Any) -> Any:
+        if torch.device(device).type != "cpu":
+            raise RuntimeError("no accelerator for pinned memory")
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    batch = {"x": torch.ones(2), "m": torch.nn.Linear(1, 1)}  # moved to meta, it would warn of the module
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", todevice.errors.TensorsLeftBehindWarning)
+        report = todevice.bench(batch, "cpu", helper=pins_off_the_cpu, rounds=3)
+    assert report.helper.startswith("your helper") and not any("pins_off" in name for name in report.wrong)
+
+
+def test_a_ratio_that_is_no_number_or_tiny_reads_so() -> None:
+    from todevice._bench.common import ratio
+
+    assert [ratio(v) for v in (float("nan"), float("inf"), 1e-05, 0.0)] == ["-", "-", "<0.001x", "<0.001x"]

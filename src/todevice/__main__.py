@@ -65,7 +65,9 @@ def accelerator_bench(
     with _stream.on_device(dev):
         tables = _bench.gpu_main(rounds=rounds)
     sizes = next(iter(tables.values()))  # the size matrix: the first table, or why it did not run
-    if plot is not None and not isinstance(sizes, str):
+    if plot is not None and isinstance(sizes, str):
+        print(f"did not draw {plot}: the size matrix did not run ({sizes})")
+    elif plot is not None:
         from todevice._bench import plot as picture
 
         picture.draw_device(sizes, plot, _machine(dev))

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from todevice import _layout, _options, _stream, _tree, _walk
+from todevice import _layout, _options, _passed, _stream, _tree, _walk
 
 _Tensor = torch.Tensor
 
@@ -54,13 +54,15 @@ def into(
         )
         raise TypeError(msg)
     if strict:
-        _walk.refuse_unknown(batch, skip)
+        _passed.refuse_unknown(batch, skip)
     flat = _flat_pairs(batch, out) if not skip else None
     if flat is not None:
         sources, targets = flat
     else:
         found = pairs(batch, out, skip)
         sources, targets = found[0::2], found[1::2]
+    if not sources:  # no tensor to copy: out as it is
+        return out
     one = _one_buffer(sources, targets, dev, max_bytes) if dtype is None and coalesce is not False else None
     if one is not None:  # the common step, in few reads
         sources = _read_first_in(sources, one[1])

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from todevice import _back, _into, _layout, _options, _stream, _traced, _tree, _walk
+from todevice import _back, _into, _layout, _options, _passed, _stream, _traced, _tree, _walk
 from todevice._options import COALESCE_MAX_BYTES
 from todevice._stream import DeviceLike
 from todevice._walk import LeafError
@@ -54,7 +54,7 @@ def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], placed: Call
     """The optimistic walk's other leaves: unknown objects and modules that leave nothing behind stay; one that does,
     a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over (it records what
     is left behind, and the move warns, naming its path)."""
-    if (code == _tree.UNKNOWN or code == _tree.MODULE) and _walk.left_behind(x, code, placed) is None:
+    if (code == _tree.UNKNOWN or code == _tree.MODULE) and _passed.left_behind(x, code, placed) is None:
         return x
     raise _NeedsMemo
 
@@ -339,7 +339,7 @@ def _walked(x: Any, s: State, original: Any) -> Any:  # the memo walk over x; er
     except LeafError as failure:
         _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
     if s.left:
-        _walk.warn_left_behind(s.left, original, also=x)
+        _passed.warn_left_behind(s.left, original, s.plan.skip)
         s.left.clear()
     return out
 
@@ -390,7 +390,7 @@ def _leaf(x: Any, code: int, s: State) -> Any:
         return _to_object(x, s)
     if code == _tree.OWN:
         return x._todevice_move_(s)
-    found = _walk.left_behind(x, code, s.plan.placed)  # nn.Modules and unknown objects: as they are
+    found = _passed.left_behind(x, code, s.plan.placed)  # nn.Modules and unknown objects: as they are
     if found is not None:
         s.left.append((x, found))
     return x
@@ -557,7 +557,7 @@ def _into_static(
 def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: Any, strict: bool) -> Any:
     """The memo walk, coalesced as planned, on ``stream`` if given (the optimistic host walk is ``_host``)."""
     if strict:
-        _walk.refuse_unknown(obj, p.skip)
+        _passed.refuse_unknown(obj, p.skip)
     s = State(p)
     if stream is not None:
         stream = _stream.issuing(stream, p.dev)

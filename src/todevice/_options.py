@@ -20,7 +20,8 @@ COALESCE_MAX_BYTES = 64 * 1024
 def check_dtype(dtype: object) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         named = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        hint = f"torch.{dtype}" if isinstance(named, torch.dtype) else "a floating-point one such as torch.float16"
+        meant = isinstance(named, torch.dtype) and (named.is_floating_point or named.is_complex)  # one move() casts to
+        hint = f"torch.{dtype}" if meant else "a floating-point one such as torch.float16"
         msg = f"Cannot cast to dtype={dtype!r}: expected a torch.dtype, got {type(dtype).__qualname__}. Pass {hint}."
         raise TypeError(msg)
     if not (dtype.is_floating_point or dtype.is_complex):

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _options, _stream, _tree, _walk
+from todevice import _layout, _options, _passed, _stream, _tree, _walk
 
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
 # (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
@@ -159,7 +159,7 @@ def compiled(
     if strict and h.unknown:
         # The eager check, which lists every object not understood: it looks at each type through
         # _tree, so the graph breaks here, and only for a structure that holds such an object.
-        _walk.refuse_unknown(obj, skip)
+        _passed.refuse_unknown(obj, skip)
     return out
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 import collections.abc
 import copy
 import functools
-import itertools
 import operator
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from todevice import _stream, _tree, errors
+from todevice import _stream, _tree
 from todevice._options import casts
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
@@ -621,80 +619,3 @@ def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
 
     look(obj, depth)
     return found or set(_stream.devices_in_use())
-
-
-def left_behind(obj: Any, code: int, placed: Callable[[torch.Tensor], bool]) -> tuple[str, str] | None:
-    """(what, why) for an object move() passes through as it is (unknown, or an nn.Module, by ``code``) that leaves
-    behind what the move would have moved (``placed`` says which tensors are in place): an nn.Module's parameters and
-    buffers, what an iterator yields, an unknown object's tensor attributes. None where it leaves nothing."""
-    tp = type(obj)
-    name = tp.__qualname__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
-    if code == _tree.MODULE:
-        try:
-            if all(map(placed, itertools.chain(obj.parameters(), obj.buffers()))):
-                return None
-        except Exception:  # a module whose parameters cannot be listed: nothing said of it
-            return None
-        why = "its .to() moves it in place, which would change the model, so its parameters and buffers were not moved"
-        return f"the nn.Module {name}", f"{why}. Move it with module.to(device)"
-    if isinstance(obj, collections.abc.Iterator):
-        why = "walking an iterator uses it up, so what it yields was not moved. Pass a list or a tuple instead"
-        return f"a {name} (an iterator)", why
-    state = _state(obj)
-    if type(state) is not dict:
-        return None
-    for attribute, value in state.items():
-        if isinstance(value, torch.Tensor) and not placed(value):
-            why = (
-                f"the tensor in its .{attribute} (and any other it holds) was not moved. Register its type with "
-                f"todevice.register(), give it a .to() method"
-            )
-            return f"a {name}", why
-    return None
-
-
-def warn_left_behind(found: list[tuple[Any, tuple[str, str]]], original: Any, also: Any = None) -> None:
-    """One ``TensorsLeftBehindWarning`` for each object ``left_behind`` found, naming its path in ``original`` (or in
-    ``also``, a packed batch's skeleton), at the caller's line."""
-    for obj, (what, why) in found:
-        path = find_path(original, obj)
-        if path is None and also is not None:
-            path = find_path(also, obj)
-        where = "" if path is None else f" at {format_path(path)}"
-        msg = f"move() passed {what}{where} through as it is: {why}, or pass strict=True to make this an error."
-        warnings.warn(msg, errors.TensorsLeftBehindWarning, stacklevel=_callers_level())
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` of the first frame outside todevice: a warning points at the caller's line."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "todevice":
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def refuse_unknown(obj: Any, skip: frozenset[Any]) -> None:
-    """strict=True: raise, before anything is copied, listing every object move() does not understand."""
-    found: list[str] = []
-    try:
-        for path, node in paths(obj, skip=skip):
-            code = _tree.kind_of(type(node)).code
-            if code == _tree.UNKNOWN or code == _tree.MODULE:
-                hint = " (an nn.Module: move it with module.to(device))" if code == _tree.MODULE else ""
-                if isinstance(node, collections.abc.Iterator):
-                    hint = " (an iterator, which a walk would use up: pass a list or a tuple)"
-                found.append(f"  {format_path(path)}: {type(node).__qualname__}{hint}")
-    except CycleError as cycle:
-        raise ValueError(cycle_message(cycle)) from None
-    if not found:
-        return
-    shown = found[:20]
-    if len(found) > len(shown):
-        shown.append(f"  ... and {len(found) - len(shown)} more")
-    listing = "\n".join(shown)
-    msg = (
-        f"Cannot move {len(found)} object(s) with strict=True: they are not tensors, containers, objects "
-        f"with .to() or atomic values:\n{listing}\n"
-        f"Register their types with todevice.register(), or pass strict=False to leave them as they are."
-    )
-    raise TypeError(msg)

@@ -11,6 +11,7 @@ import gc
 import importlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import random
@@ -404,9 +405,13 @@ def _span(sizes: Sequence[int]) -> str:
 
 
 def ratio(value: float) -> str:
-    """A ratio as the tables print it: two decimals (``1.08x``), and two significant digits below 0.1x (``0.0043x``),
-    never ``0.00x``."""
-    return f"{value:.2f}x" if value >= 0.1 else f"{value:.2g}x"
+    """A ratio as the tables print it: two decimals (``1.08x``), two significant digits below 0.1x (``0.0043x``), and
+    ``<0.001x`` below that: never ``0.00x``. ``-`` for one that is not a number (a time of 0)."""
+    if not math.isfinite(value):
+        return "-"
+    if value >= 0.1:
+        return f"{value:.2f}x"
+    return f"{value:.2g}x" if value >= 0.001 else "<0.001x"
 
 
 def _range(values: Sequence[float], fmt: str | None = None) -> str:

@@ -25,6 +25,7 @@ MEMORIES = {  # the accelerator's panels: where the batch's tensors are
 }
 COLOURS = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
 ONE = "1x: as fast as move()"
+MOVE = "todevice.move"
 YLABEL = "contender's time / move()'s time\n(above 1x: move() is faster)"
 Point = tuple[float, float, float, float]  # x, the median ratio, its middle half: low, high
 
@@ -72,19 +73,38 @@ def draw(rows: Sequence[dict[str, Any]], path: str, machine: str) -> None:
 
 
 def draw_device(rows: Sequence[dict[str, Any]], path: str, machine: str) -> None:
-    """The accelerator's size matrix (``device.size_rows``), one panel per memory the batch is in, end to end."""
-    moves = {r["workload"]: r["x_helper_e2e"] for r in rows if r["contender"] == "todevice.move"}
+    """The accelerator's size matrix (``device.size_rows``): each batch, by name, with one panel per memory its tensors
+    are in; each contender's end-to-end time over move()'s (one median each: no spread)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    moves = {r["workload"]: r["x_helper_e2e"] for r in rows if r["contender"] == MOVE}
     names = _ordered(list(dict.fromkeys(r["contender"] for r in rows)))
-    panels: dict[str, dict[str, tuple[str, str, list[Point]]]] = {}
-    for memory in dict.fromkeys(r["memory"] for r in rows):
-        lines = panels[MEMORIES.get(memory, memory)] = {}
+    memories = list(dict.fromkeys(r["memory"] for r in rows))
+    fig, axes = plt.subplots(1, len(memories), figsize=(6.5 * len(memories), 5.5), sharey=True, squeeze=False)
+    values: list[float] = []
+    for ax, memory in zip(axes[0], memories):
+        here = [r for r in rows if r["memory"] == memory]
+        batches = [r["workload"] for r in here if r["contender"] == MOVE]  # in the table's order
         for i, name in enumerate(names):
-            mine = [r for r in rows if r["memory"] == memory and r["contender"] == name]
-            ratio = [moves[r["workload"]] / r["x_helper_e2e"] for r in mine]  # its time over move()'s
-            points = sorted((float(r["tensors"]), v, v, v) for r, v in zip(mine, ratio))
-            if points:
-                lines[name] = (COLOURS[i % len(COLOURS)], "-", points)
-    _lines(panels, path, f"move() against the helper and the peers on the accelerator, end to end ({machine})")
+            by = {r["workload"]: r["x_helper_e2e"] for r in here if r["contender"] == name and r["x_helper_e2e"] > 0}
+            x = [k for k, b in enumerate(batches) if b in by]
+            y = [moves[batches[k]] / by[batches[k]] for k in x]  # the contender's time over move()'s
+            values += y
+            ax.plot(x, y, "o", color=COLOURS[i % len(COLOURS)], label=name)
+        batches = [b.rpartition(", ")[0] for b in batches]  # the memory is the panel's
+        ax.set_xticks(range(len(batches)), batches, rotation=25, ha="right", fontsize=7)
+        ax.set_title(MEMORIES.get(memory, memory), fontsize=10)
+    for ax in axes[0]:
+        _ratio_axis(ax, values)
+    axes[0][0].set_ylabel(YLABEL)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(f"move() against the helper and the peers on the accelerator, end to end ({machine})")
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def draw_yours(report: Any, path: str, machine: str) -> None:
@@ -100,9 +120,9 @@ def draw_yours(report: Any, path: str, machine: str) -> None:
     values: list[float] = []
     for ax, form in zip(axes[0], forms):
         by = {row.contender: row for row in report.rows if row.form == form}
-        moved = by["todevice.move"]
+        moved = by[MOVE]
         for i, name in enumerate(names):
-            if name not in by:
+            if name not in by or min(by[name].speedup, by[name].low, by[name].high) <= 0:  # no time to divide by
                 continue
             # The rows give the yardstick's time over each contender's: a contender's over move()'s is their ratio.
             mid, low, high = (moved.speedup / by[name].speedup, moved.low / by[name].high, moved.high / by[name].low)

@@ -9,19 +9,21 @@ ratio whose middle half holds 1.0x is no measurable difference.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import random
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 import todevice
-from todevice import _inspect, _stream, _tree, _walk
+from todevice import _inspect, _stream, _tree, _walk, errors
 from todevice._bench.common import (
     HELPER,
     PEERS,
@@ -150,7 +152,7 @@ def difference(want: Any, got: Any) -> str | None:
         where, b = path or "the batch", theirs_t[path]
         if (a.device, a.dtype, a.layout) != (b.device, b.dtype, b.layout):
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
-        if a.layout != torch.strided or a.device.type == "meta":
+        if not _tree.has_memory(a) or a.device.type == "meta":
             continue  # a nested or sparse tensor: its device, dtype and layout are what is compared
         if a.shape != b.shape:
             return f"{where} is {_described(b)} where move() gives {_described(a)}"
@@ -170,6 +172,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, 0, 0, equal_nan=True))
 
 
+_RAISED = "it raised"
+
+
 def _checked(fn: Mover, batch: Any, dev: torch.device, want: Any) -> str | None:
     """What is wrong with ``fn(copy of batch, dev)`` against ``want``, move()'s result; None where nothing is."""
     given = _copy(batch)
@@ -177,7 +182,7 @@ def _checked(fn: Mover, batch: Any, dev: torch.device, want: Any) -> str | None:
     try:
         got = fn(given, dev)
     except Exception as err:
-        return f"it raised {type(err).__name__}: {err}"
+        return f"{_RAISED} {type(err).__name__}: {err}"
     return "it changed the batch it was given, in place" if _places(given) != before else difference(want, got)
 
 
@@ -259,14 +264,15 @@ _META = torch.device("meta")
 def _checks(forms: dict[str, Any], dev: torch.device) -> list[tuple[str, Any, torch.device, Any]]:
     """What each contender is checked on, before it is timed: (label, batch, device, move()'s result) for each form.
     On the host, where the tensors already are, a helper that moves nothing gives the right result: it is checked
-    on meta too, where every tensor it leaves behind shows."""
-    many = len(forms) > 1
-    checks = [
-        (f"{form}: " if many else "", variant, dev, todevice.move(variant, dev)) for form, variant in forms.items()
-    ]
+    moving to meta too, where every tensor it leaves behind shows; not where move() itself cannot go there (a strided
+    nested tensor, a quantized one)."""
+    named = len(forms) > 1
+    checks = [(f"{f}: " if named else "", variant, dev, todevice.move(variant, dev)) for f, variant in forms.items()]
     if dev.type == "cpu":
-        label = "moved to meta, where a tensor left behind shows (it is timed on cpu): "
-        checks += [(label, variant, _META, todevice.move(variant, _META)) for variant in forms.values()]
+        label = "checked moving to meta, where a tensor left behind shows (it is timed on cpu): "
+        for variant in forms.values():
+            with contextlib.suppress(Exception):  # move() cannot go to meta with it: the check on cpu is all there is
+                checks.append((label, variant, _META, todevice.move(variant, _META)))
     return checks
 
 
@@ -300,6 +306,12 @@ def bench(
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 3:
         msg = f"Cannot time {rounds!r} rounds: rounds takes an int of at least 3, for a median and a spread."
         raise ValueError(msg)
+    with warnings.catch_warnings():  # what move() leaves behind, its every call would warn of: the report says it
+        warnings.simplefilter("ignore", errors.TensorsLeftBehindWarning)
+        return _bench(batch, device, helper, rounds, name)
+
+
+def _bench(batch: Any, device: Any, helper: Mover | None, rounds: int, name: str | None) -> Report:
     acc = _stream.accelerator()
     dev = _stream.resolve_device(device if device is not None else acc or "cpu")
     sync = (lambda: _stream.synchronize(dev)) if _stream.is_accelerator(dev) else (lambda: None)
@@ -310,7 +322,8 @@ def bench(
     for cname, fn in list(found.items())[1:]:
         for label, variant, where, want in checks:  # each form it is timed on, each on a copy
             why = _checked(fn, variant, where, want)
-            if why is not None:
+            cannot_go = where != dev and why is not None and why.startswith(_RAISED)  # to meta: judged where timed
+            if why is not None and not cannot_go:
                 wrong[cname] = f"{label}{why}"
                 del found[cname]
                 break
