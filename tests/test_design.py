@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import todevice
-from todevice import _into, _layout, _move, _stream, _tree, _walk
+from todevice import _into, _layout, _move, _pack, _stream, _tree, _walk
 
 SRC = Path(todevice.__file__).parent
 
@@ -58,7 +59,41 @@ def test_imports_run_one_way(module: str) -> None:
 
 def test_move_and_pack_do_not_import_each_other() -> None:
     assert "_pack" not in internal_imports(SRC / "_move.py")
-    assert "_move" in internal_imports(SRC / "_pack.py")  # PackedBatch carries its own move, one way
+    assert "_move" in internal_imports(SRC / "_pack.py")  # unpack() is move()'s, one way
+
+
+def _called_in(module: Any, run: Any) -> list[str]:
+    """The functions of ``module`` that ``run()`` calls, at any depth."""
+    path = module.__file__
+    called: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename == path:
+            called.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"coalesce": True}, {"dtype": torch.float64}, {"skip_keys": "keep"}, {"device": "cpu"}],
+    ids=["meta", "coalesced", "cast", "skip", "cpu"],
+)
+def test_a_move_never_calls_back_up_into_pack(options: dict[str, Any]) -> None:
+    """A packed batch is a kind like any other: move() reads its buffer, layout and skeleton through _tree's rule, and
+    never runs code of _pack, the layer above it."""
+    packed = todevice.pack({"x": torch.ones(2), "keep": [torch.zeros(3)], "big": torch.ones(20_000)}, max_bytes=1024)
+    batch = {"p": packed, "q": [packed, torch.ones(1)]}
+    options = {"device": "meta", **options}
+    device = options.pop("device")
+    out = todevice.move(batch, device, **options)
+    assert out["p"] is out["q"][0] and isinstance(out["p"]["x"], torch.Tensor)
+    assert _called_in(_pack, lambda: todevice.move(batch, device, **options)) == []
 
 
 @pytest.mark.parametrize("path", sorted(SRC.glob("*.py")), ids=lambda p: p.name)

@@ -21,7 +21,7 @@ skeleton) cost more than the gather and the cut together; the pass here costs a 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -168,3 +168,41 @@ def _rebuilt(x: Any, views: Iterator[torch.Tensor]) -> Any:
         }
     done = [next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views) for v in x]
     return done if tp is list else tuple(done)
+
+
+def gathered_back(
+    taken: _layout.Taken,
+    dtype: torch.dtype | None,
+    alone: Callable[[torch.Tensor], torch.Tensor],
+    before: Callable[[torch.Tensor], None],
+    made: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """The taken tensors, off the host, copied to it: one buffer gathered per accelerator, one copy each; in walk
+    order. ``alone(t)`` copies a tensor by itself (the only one on its device, or on meta, or where no room is left
+    to gather), ``before(t)`` runs before the first copy from ``t``'s device, and each host buffer goes to ``made``."""
+    tensors = taken.tensors
+    by_device: dict[torch.device, list[int]] = {dev: [] for dev in set(map(_layout.device_of, tensors))}
+    if len(by_device) > 1:
+        for i, t in enumerate(tensors):
+            by_device[t.device].append(i)
+    views: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for dev, indices in by_device.items():
+        picked = _layout.pick(tensors, indices) if len(by_device) > 1 else tensors
+        if len(picked) == 1 or not _stream.is_accelerator(dev):  # alone, or meta: each copied as it is
+            got = list(map(alone, picked))
+        else:
+            lay = taken.layout if len(by_device) == 1 else _layout.layout_for(picked, dtype)
+            before(picked[0])
+            try:
+                buffer = _layout.gathered(picked, lay, dev)
+            except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
+                got = list(map(alone, picked))
+            else:
+                host = _layout.landed(buffer)
+                got = _layout.read(host, lay, dtype, made=made)
+                made.append(host)
+        if len(by_device) == 1:  # the one device's: all of them, in order
+            return got
+        for i, view in zip(indices, got):
+            views[i] = view
+    return views

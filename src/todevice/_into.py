@@ -238,7 +238,7 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
     if code == _tree.NODE:
         _pair_children(a, b, found, skip)
         return
-    if code in (_tree.TO, _tree.OWN):
+    if code in (_tree.TO, _tree.PACKED):
         why = "an object with its own .to()" if code == _tree.TO else "a PackedBatch (unpack it first)"
         raise _Mismatch(
             f"the batch holds {_walk.describe(a)}, {why}, whose tensors out= cannot pair with out's. "

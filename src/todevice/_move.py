@@ -239,7 +239,7 @@ class State:
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
-    packed: Any = None  # the packed batch whose skeleton the walk fills, while it does
+    packed: _tree.Packed | None = None  # the packed batch whose skeleton the walk fills, while it does
     filling: State | None = None  # what fills that batch's skipped items as it holds them, made once if needed
     streams: tuple[torch.Stream, torch.Stream] | None = None  # (user's, side): .to() objects use the user's
     ordered = False  # on a side stream: whether it waits for the user's stream already
@@ -291,13 +291,11 @@ class State:
 
 
 def _order(t: torch.Tensor, s: State) -> None:
-    """On a side stream, before the first copy from accelerator memory: wait for the user's stream.
-
-    That memory may be written by work queued there. Host memory needs no wait, so a move of host
+    """On a side stream, before the first copy from accelerator memory: wait for the user's stream (no side stream:
+    nothing). That memory may be written by work queued there. Host memory needs no wait, so a move of host
     tensors never waits for the user's work and its copies overlap it.
     """
-    if not s.ordered and not (t.is_cpu or t.is_meta):
-        assert s.streams is not None
+    if s.streams is not None and not s.ordered and not (t.is_cpu or t.is_meta):
         user, side = s.streams
         side.wait_stream(user)
         s.ordered = True
@@ -312,7 +310,7 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         _walk.explain(failure, obj, p.dev, skip=p.skip)
     except _Gather:
         if not gather:
-            return _walk_again(obj, p, rec)
+            return walk_again(obj, p, rec)
         if not p.skip and p.dtype is None:  # plain dicts, lists and tuples of device tensors: one look, one copy
             out = _back.brought(obj, max_bytes)
             if out is not None:
@@ -320,15 +318,15 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         s = State(p, rec)
         return s.finish(_batch(obj, s, True, max_bytes))
     except (_NeedsMemo, RecursionError):  # an object the memo walk moves, or deep nesting
-        return _walk_again(obj, p, rec)
+        return walk_again(obj, p, rec)
     if len(rec) > 2 and not _layout.distinct(rec[::2]):  # a tensor met twice, or two over one memory
-        return _walk_again(obj, p, rec)
+        return walk_again(obj, p, rec)
     if p.to_host and rec:
         _stream.wait_for(rec[::2])
     return out
 
 
-def _walk_again(obj: Any, p: Plan, rec: list[torch.Tensor]) -> Any:  # after an optimistic walk, reusing its copies
+def walk_again(obj: Any, p: Plan, rec: list[torch.Tensor] | None = None) -> Any:  # reusing an optimistic walk's copies
     s = State(p, rec)
     return s.finish(_walked(obj, s, obj))
 
@@ -372,8 +370,45 @@ def _same_address(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tenso
 
 
 def _skipped_item(x: Any, s: State) -> Any:
-    """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
-    return x if s.packed is None else s.packed._todevice_hold_(x, s)
+    """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it (its slots
+    filled with views of the buffer where it is, nothing copied). One filling for every skipped item of the batch, so
+    a tensor in two is one view."""
+    batch = s.packed
+    if batch is None:
+        return x
+    filling = s.filling
+    if filling is None:
+        filling = s.filling = State(plan_for(batch.buffer.device, False, None))  # loose tensors stay
+        if s.plan.dev == batch.buffer.device and s.plan.dtype is None:  # the move's views are the buffer's own
+            filling.views, filling.aliases = s.views, s.aliases
+        else:
+            filling.views, filling.aliases = _layout.read(batch.buffer, batch.layout), {}
+            for k in batch.requires_grad:
+                filling.views[k] = filling.views[k].requires_grad_()
+    return _memo_walk(x, filling)
+
+
+def _unpacked(batch: _tree.Packed, s: State) -> Any:
+    """A packed batch the walk meets: its buffer sent once to the move's device, its slots filled with views of the
+    copy."""
+    hit = s.memo.get(id(batch))
+    if hit is not None:
+        return hit[1]
+    views = _send(s, batch.buffer, batch.layout)
+    for k in batch.requires_grad:
+        views[k] = views[k].requires_grad_()
+    skeleton = batch.skeleton
+    s.know_taken()  # the outer batch's taken tensors, which the views below replace
+    outer = s.views, s.aliases, s.packed, s.filling
+    s.views, s.aliases, s.packed, s.filling = views, {}, batch, None
+    try:
+        out = _memo_walk(skeleton, s)
+    except LeafError as failure:  # the walk the batch is in names the path
+        raise failure.within(batch, skeleton, s.plan.skip) from None
+    finally:
+        s.views, s.aliases, s.packed, s.filling = outer
+    s.memo[id(batch)] = (batch, out)
+    return out
 
 
 def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: its tensor
@@ -388,8 +423,8 @@ def _leaf(x: Any, code: int, s: State) -> Any:
         return _tree.filled(x, s.views, s.aliases)
     if code == _tree.TO:
         return _to_object(x, s)
-    if code == _tree.OWN:
-        return x._todevice_move_(s)
+    if code == _tree.PACKED:
+        return _unpacked(x, s)
     found = _passed.left_behind(x, code, s.plan.placed)  # nn.Modules and unknown objects: as they are
     if found is not None:
         s.left.append((x, found))
@@ -576,7 +611,9 @@ def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
         taken = _taken(obj, s, max_bytes)
         if taken is None or len(taken.tensors) < 2:  # a single tensor goes alone
             return _walked(obj, s, obj)
-        return _filled(taken, s, obj, lambda: _gathered_back(s, taken))
+        copied = functools.partial(_copied, s=s)
+        order = functools.partial(_order, s=s)
+        return _filled(taken, s, obj, lambda: _back.gathered_back(taken, s.plan.dtype, copied, order, s.buffers))
     if p.sends or coalesce:
         return _sent(obj, s, coalesce, max_bytes)
     return _walked(obj, s, obj)
@@ -627,47 +664,13 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
     return _filled(taken, s, obj, lambda: views)
 
 
-def _gathered_back(s: State, taken: _layout.Taken) -> list[torch.Tensor]:
-    """The taken tensors, off the host, copied to it: one buffer gathered per accelerator, one copy each."""
-    tensors = taken.tensors
-    by_device: dict[torch.device, list[int]] = {dev: [] for dev in set(map(_layout.device_of, tensors))}
-    if len(by_device) > 1:
-        for i, t in enumerate(tensors):
-            by_device[t.device].append(i)
-    views: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for dev, indices in by_device.items():
-        picked = _layout.pick(tensors, indices) if len(by_device) > 1 else tensors
-        if len(picked) == 1 or not _stream.is_accelerator(dev):  # alone, or meta: each copied as it is
-            got = [_copied(t, s) for t in picked]
-        else:
-            lay = taken.layout
-            if len(by_device) > 1:
-                lay = _layout.layout_for(picked, s.plan.dtype)
-            if s.streams is not None:
-                _order(picked[0], s)
-            try:
-                buffer = _layout.gathered(picked, lay, dev)
-            except torch.OutOfMemoryError:  # no room to gather them on the device: each copied alone
-                got = [_copied(t, s) for t in picked]
-            else:
-                host = _layout.landed(buffer)
-                got = _layout.read(host, lay, s.plan.dtype, made=s.buffers)
-                s.buffers.append(host)
-        if len(by_device) == 1:  # the one device's: all of them, in order
-            return got
-        for i, view in zip(indices, got):
-            views[i] = view
-    return views
-
-
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
     """Copy a host buffer to the target once, and cut the copy into views (cast where the layout says)."""
     p = s.plan
     if buffer.device != p.dev:
         cast_on_host = False
         if not buffer.is_cpu:  # a packed batch loaded onto a device
-            if s.streams is not None:
-                _order(buffer, s)
+            _order(buffer, s)
             if p.to_host:
                 s.waits.add(buffer.device)  # waited for before the move returns
                 # A cast is made on the host as soon as the buffer is read: the copy must have landed.

@@ -20,7 +20,7 @@ TO = 3  # an object with its own .to(): moved through it
 MODULE = 4  # an nn.Module: left as it is (its .to() moves in place, mutating the input)
 UNKNOWN = 5  # anything else: passed through, or reported under strict=True
 SLOT = 6  # a hole in a packed structure's skeleton, filled from the packed buffer
-OWN = 7  # an object that tells the walk how it is moved, through its ``_todevice_move_`` (PackedBatch)
+PACKED = 7  # a packed batch (``_tree.Packed``): its buffer sent once, its skeleton filled with views of the copy
 
 Flatten = Callable[[Any], tuple[Any, Any]]
 Unflatten = Callable[[Any, Any], Any]

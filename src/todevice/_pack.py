@@ -83,7 +83,7 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.
     return PackedBatch(buffer, taken.layout, taken.skeleton, requires_grad, len(taken.loose))
 
 
-class PackedBatch:
+class PackedBatch(_tree.Packed):
     """A structure whose tensors travel in one buffer: made by :func:`todevice.pack`.
 
     It holds one uint8 buffer with the bytes of every plain dense tensor, the layout of those tensors
@@ -175,42 +175,6 @@ class PackedBatch:
             err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
             raise err
 
-    def _todevice_move_(self, s: _move.State) -> Any:
-        """How the walk of :func:`todevice.move` moves a packed batch it meets: its buffer sent once to the
-        move's device, its slots filled with views of the copy."""
-        hit = s.memo.get(id(self))
-        if hit is not None:
-            return hit[1]
-        views = _move._send(s, self.buffer, self.layout)
-        for k in self.requires_grad:
-            views[k] = views[k].requires_grad_()
-        skeleton = self.skeleton
-        s.know_taken()  # the outer batch's taken tensors, which the views below replace
-        outer = s.views, s.aliases, s.packed, s.filling
-        s.views, s.aliases, s.packed, s.filling = views, {}, self, None
-        try:
-            out = _move._memo_walk(skeleton, s)
-        except _walk.LeafError as failure:  # the walk the batch is in names the path
-            raise failure.within(self, skeleton, s.plan.skip) from None
-        finally:
-            s.views, s.aliases, s.packed, s.filling = outer
-        s.memo[id(self)] = (self, out)
-        return out
-
-    def _todevice_hold_(self, x: Any, s: _move.State) -> Any:
-        """An item of the skeleton under a key to skip, as this batch holds it: its slots filled with views of the
-        buffer where it is, nothing copied. One filling for every skipped item, so a tensor in two is one view."""
-        filling = s.filling
-        if filling is None:
-            filling = s.filling = _move.State(_move.plan_for(self.buffer.device, False, None))  # loose tensors stay
-            if s.plan.dev == self.buffer.device and s.plan.dtype is None:  # the move's views are the buffer's own
-                filling.views, filling.aliases = s.views, s.aliases
-            else:
-                filling.views, filling.aliases = _layout.read(self.buffer, self.layout), {}
-                for k in self.requires_grad:
-                    filling.views[k] = filling.views[k].requires_grad_()
-        return _move._memo_walk(x, filling)
-
     def pin_memory(self, device: Any = None) -> PackedBatch:
         """This batch with its buffer in page-locked memory: one call, whatever the batch holds.
 
@@ -247,9 +211,8 @@ class PackedBatch:
             if not _traced.TRACES:
                 return _untraced_unpack(self, device, non_blocking=non_blocking)
             return _traced.unpack(self, "cpu" if device is None else device, non_blocking)
-        # move(batch, device, coalesce=False), without walking to the batch.
-        s = _move.State(_move.plan_for("cpu" if device is None else device, non_blocking, None))
-        return s.finish(_move._walked(self, s, self))
+        # move(batch, device, coalesce=False), without walking to the batch
+        return _move.walk_again(self, _move.plan_for("cpu" if device is None else device, non_blocking, None))
 
 
 _untraced_pack = _traced.untraced(pack, "todevice.pack()")

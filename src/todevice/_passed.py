@@ -72,7 +72,7 @@ def _every_node(obj: Any, skip: frozenset[Any], root: Any) -> Iterator[tuple[Any
     one), ``root`` the link of ``obj`` itself."""
     for link, node in _walk._nodes(obj, True, skip, root, _walk._linked, _walk._joined):
         yield link, node
-        skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.OWN else None
+        skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.PACKED else None
         if skeleton is not None:
             yield from _every_node(skeleton, skip, link)
 

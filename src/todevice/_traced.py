@@ -321,7 +321,7 @@ def _rule(tp: type) -> int:
         return _KEEP
     if code == _tree.MODULE:
         return _UNKNOWN
-    if code == _tree.OWN:  # a PackedBatch
+    if code == _tree.PACKED:  # a PackedBatch
         return _PACKED
     if code == _tree.TO:
         rule = _TO_NB if _tree.to_takes(tp, "non_blocking") else _TO

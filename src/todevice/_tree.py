@@ -32,7 +32,7 @@ from todevice._objects import (  # re-exported: the kinds are _tree's words to e
     ATOM as ATOM,
     MODULE as MODULE,
     NODE as NODE,
-    OWN as OWN,
+    PACKED as PACKED,
     SLOT as SLOT,
     TENSOR as TENSOR,
     TO as TO,
@@ -121,6 +121,20 @@ def filled(slot: Slot, views: list[Any] | None, aliases: dict[int, tuple[Slot, A
     if hit is None:
         hit = aliases[id(slot)] = (slot, view.view(view.shape))  # the slot kept alive, so its id stays its own
     return hit[1]
+
+
+class Packed:
+    """What a packed batch is to the walks (:class:`todevice.PackedBatch` is one): ``buffer``, one uint8 tensor with
+    the bytes of every packed tensor; ``layout``, where each lies in it; ``skeleton``, the structure with a slot where
+    each was; ``requires_grad``, the slots whose tensor required grad. ``_move`` moves one: its buffer sent once,
+    its slots filled with views of the copy."""
+
+    __slots__ = ()
+
+    buffer: Any
+    layout: Any
+    skeleton: Any
+    requires_grad: tuple[int, ...]
 
 
 class Deferred:
@@ -463,10 +477,6 @@ def _has_to(tp: type) -> bool:
     return callable(getattr(tp, "to", None))
 
 
-def _moves_itself(tp: type) -> bool:  # a PackedBatch: the walk hands it its own state
-    return callable(getattr(tp, "_todevice_move_", None))
-
-
 def _to_kind(tp: type) -> Kind:
     """The rule of an object with its own ``.to()``: the keywords of move() that its ``.to()`` takes, by its signature
     (all where it has none: a C method), and ``keys`` set where it is a mapping (a BatchEncoding), which is finished
@@ -528,8 +538,8 @@ def _settled(tp: type) -> Kind | None:
         return Kind(ATOM)
     if issubclass(tp, torch.nn.Module):
         return Kind(MODULE)
-    if _moves_itself(tp):
-        return Kind(OWN)
+    if issubclass(tp, Packed):
+        return Kind(PACKED)
     if _has_to(tp):
         return _to_kind(tp)
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
@@ -595,9 +605,9 @@ def _foreign(tp: type) -> tuple[Any, Any]:
 
 
 def _given(tp: type) -> bool:
-    """Whether a class has been given a ``.to()`` or a ``_todevice_move_`` since (two attribute lookups that miss
-    cost about a microsecond on a 2-core x86 VM: only the rare rules in ``_late`` pay them)."""
-    return _has_to(tp) or _moves_itself(tp)
+    """Whether a class has been given a ``.to()`` since (an attribute lookup that misses costs about half a
+    microsecond on a 2-core x86 VM: only the rare rules in ``_late`` pay it)."""
+    return _has_to(tp)
 
 
 def _learn(tp: type) -> int:

@@ -603,7 +603,7 @@ def _parts(x: Any) -> _Parts | None:
         return _Parts("items", [f"[{i}]" for i in range(len(x))], list(x))
     if tp is set or tp is frozenset:
         return _Parts("elements", [f"{{{i}}}" for i in range(len(x))], list(x))
-    if isinstance(x, torch.nn.Module) or callable(getattr(tp, "_todevice_move_", None)):
+    if isinstance(x, (torch.nn.Module, todevice.PackedBatch)):
         return None
     if callable(getattr(tp, "to", None)):
         return None
@@ -980,8 +980,6 @@ class _Checker:
             finally:
                 self.packed.pop()
             return
-        if callable(getattr(type(source), "_todevice_move_", None)):
-            return  # another object that todevice moves by its own rule: not looked into
         moves_itself = not isinstance(source, torch.nn.Module) and callable(getattr(type(source), "to", None))
         if moves_itself:  # an object with its own .to(): only its type is checked
             if type(result) is not type(source):
