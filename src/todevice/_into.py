@@ -420,7 +420,7 @@ def _fault(
     seen: dict[int, torch.Tensor] = {}
     for src, dst in zip(sources, targets):
         why = None
-        expected = dtype if dtype is not None and _options.casts(src) else src.dtype
+        expected = _options.cast_to(src.dtype, dtype)
         if not _tree.has_memory(src):  # before the shape, which a strided nested tensor has not
             why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
         elif not _tree.has_memory(dst):

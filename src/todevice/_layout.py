@@ -75,11 +75,10 @@ class Layout(NamedTuple):
 
 def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
     """(dtype in the buffer, dtype handed back): a cast happens on the side that sends fewer bytes."""
-    if cast is None or not (dtype.is_floating_point or dtype.is_complex) or cast == dtype:
-        return dtype, dtype
-    if cast.itemsize < dtype.itemsize:
-        return cast, cast  # cast while packing: fewer bytes cross
-    return dtype, cast  # cast after the copy, on the receiving side
+    final = _options.cast_to(dtype, cast)
+    if final.itemsize < dtype.itemsize:
+        return final, final  # cast while packing: fewer bytes cross
+    return dtype, final  # cast after the copy, on the receiving side (or none)
 
 
 @functools.lru_cache(maxsize=64)  # a training loop cycles through a few structures
@@ -245,9 +244,7 @@ def read(
     """
     views: list[torch.Tensor] = []
     for g, region in _regions(buffer, lay):
-        final = g.final
-        if cast is not None and (final.is_floating_point or final.is_complex):
-            final = cast
+        final = _options.cast_to(g.final, cast)
         if final != g.dtype:
             region = region.to(final)  # one cast per group, on the receiving side
             if made is not None:
@@ -456,10 +453,7 @@ def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype
     if not sending(0, 0, len(pageable), total, False).staged:
         return {}
     try:
-        pairs = [
-            (t, torch.empty_like(t, dtype=dtype if dtype is not None and _options.casts(t) else t.dtype, device=dev))
-            for t in pageable
-        ]
+        pairs = [(t, torch.empty_like(t, dtype=_options.cast_to(t.dtype, dtype), device=dev)) for t in pageable]
         if send_staged(pairs):
             return {id(t): out for t, out in pairs}
     except Exception:  # each is copied by itself, and its error names its path

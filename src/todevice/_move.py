@@ -80,7 +80,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     elif dtype is None:  # a host tensor, the usual source, is told apart without making a device object
         keep = lambda t: not t.is_cpu and t.device == dev  # noqa: E731
     else:
-        keep = lambda t: t.device == dev and (t.dtype == dtype or not _options.casts(t))  # noqa: E731
+        keep = lambda t: t.device == dev and t.dtype == _options.cast_to(t.dtype, dtype)  # noqa: E731
     placed = operator.attrgetter("is_meta") if keep is _layout.NEVER else keep
     mps = dev.type == "mps"
     # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
@@ -96,13 +96,12 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
             return t.to(dev)  # parses fastest
-        cast = dtype if dtype is not None and _options.casts(t) else None
         nb = non_blocking
         if to_host:
             nb = _layout.nbytes(t) <= _layout.PINNED_RESULT_MAX_BYTES
         elif mps:  # pageable-to-MPS async copies can return zeros (pytorch#83015): only pinned sources go async
             nb = nb and t.is_pinned()
-        return t.to(dev, cast, non_blocking=nb)
+        return t.to(dev, None if dtype is None else _options.cast_to(t.dtype, dtype), non_blocking=nb)
 
     def alone(t: torch.Tensor) -> torch.Tensor:
         """``t`` copied by itself: through pinned memory where the driver would wait for queued work."""

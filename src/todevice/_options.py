@@ -20,11 +20,11 @@ COALESCE_MAX_BYTES = 64 * 1024
 def check_dtype(dtype: object) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         named = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        meant = isinstance(named, torch.dtype) and (named.is_floating_point or named.is_complex)  # one move() casts to
+        meant = isinstance(named, torch.dtype) and castable(named)  # one move() casts to
         hint = f"torch.{dtype}" if meant else "a floating-point one such as torch.float16"
         msg = f"Cannot cast to dtype={dtype!r}: expected a torch.dtype, got {type(dtype).__qualname__}. Pass {hint}."
         raise TypeError(msg)
-    if not (dtype.is_floating_point or dtype.is_complex):
+    if not castable(dtype):
         msg = (
             f"Cannot cast to dtype={dtype!r}: move() casts floating-point and complex tensors only, as "
             f"nn.Module.to() does, so dtype must be a floating-point or complex torch.dtype such as "
@@ -34,8 +34,21 @@ def check_dtype(dtype: object) -> torch.dtype:
     return dtype
 
 
+# The cast rule, in one place: dtype= casts floating-point and complex tensors, as nn.Module.to(dtype) does; integer
+# and bool tensors keep theirs.
+def castable(dtype: torch.dtype) -> bool:
+    """Whether move()'s ``dtype=`` casts a tensor of ``dtype``."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def casts(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
+    """Whether move()'s ``dtype=`` casts ``t``."""
+    return castable(t.dtype)
+
+
+def cast_to(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """What a tensor of ``dtype`` becomes under move()'s ``dtype=cast``."""
+    return cast if cast is not None and castable(dtype) else dtype
 
 
 def check_max_bytes(value: Any, what: str) -> None:

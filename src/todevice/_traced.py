@@ -230,13 +230,13 @@ def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
 def _one(t: torch.Tensor, h: _How) -> torch.Tensor:
     """``t`` moved. With no memo, for the views read from a packed buffer, each made once: dynamo before
     2.12 cannot take the ``id()`` of a tensor made in the graph."""
-    cast = h.dtype if h.dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+    cast = _options.cast_to(t.dtype, h.dtype)
     if h.fresh:  # a copy, never the packed tensor itself; one that required grad, a new leaf
         out = t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True)
         if t.requires_grad:
             out.requires_grad_()
         return out
-    if t.device == h.dev and (cast is None or cast == t.dtype):
+    if t.device == h.dev and cast == t.dtype:
         return t
     return t.to(h.dev, cast, non_blocking=h.nb)
 
@@ -412,7 +412,7 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
             torch._dynamo.graph_break(msg=_too_old(type(x), "makes a shallow copy of"))
         target = _walk.copy_for_to(x)
     casts: dict[str, torch.dtype] = {}
-    floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or x.data.is_floating_point()
+    floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
     if h.dtype is not None and takes_dtype and floating:
         casts["dtype"] = h.dtype
     out = target.to(h.dev, non_blocking=h.nb, **casts) if non_blocking else target.to(h.dev, **casts)

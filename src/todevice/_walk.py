@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from todevice import _stream, _tree
-from todevice._options import casts
+from todevice._options import cast_to, casts
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
@@ -544,7 +544,7 @@ def _items(m: Any) -> Any:
 def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether ``out`` is a copy of ``t`` as move() makes one: on ``dev`` (any index of its type where it names none,
     as under torch.compile), cast to ``dtype`` where move() casts."""
-    if out is t or out.dtype is not (dtype if dtype is not None and casts(t) else t.dtype):  # dtypes are singletons
+    if out is t or out.dtype is not cast_to(t.dtype, dtype):  # dtypes are singletons
         return False
     on = out.device
     return on == dev or (on.type == dev.type and dev.index is None)
@@ -590,7 +590,7 @@ def _holds_floating(obj: Any) -> bool:
     """Whether an object with ``.to()`` holds a floating-point or complex tensor, as far as ``inside`` shows."""
     try:
         for _, node in paths([value for _, value in inside(obj)]):
-            if isinstance(node, torch.Tensor) and (node.is_floating_point() or node.is_complex()):
+            if isinstance(node, torch.Tensor) and casts(node):
                 return True
     except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide
         return True
