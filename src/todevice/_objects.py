@@ -22,6 +22,12 @@ UNKNOWN = 5  # anything else: passed through, or reported under strict=True
 SLOT = 6  # a hole in a packed structure's skeleton, filled from the packed buffer
 PACKED = 7  # a packed batch (``_tree.Packed``): its buffer sent once, its skeleton filled with views of the copy
 
+# Forms the walk under torch.compile takes a container by where dynamo cannot trace the container's own functions
+# (``_traced``): numbered after the kinds above, so that one table holds both.
+STRUCTSEQ = 8  # a structseq with no field beyond its items (torch.return_types): made from the list of them
+ATTRIBUTES = 9  # a dataclass made by object.__new__: its instance attributes listed and set on a new one
+SUBSET = 10  # a set or frozenset subclass, which dynamo cannot make (set.__new__(Sub)): moved outside the graph
+
 Flatten = Callable[[Any], tuple[Any, Any]]
 Unflatten = Callable[[Any, Any], Any]
 
@@ -35,6 +41,7 @@ class Kind(NamedTuple):
     entry: Callable[[Any, int], str] | None = None
     keys: Callable[[Any], Sequence[Any]] | None = None  # a mapping's key of each child (``_NO_KEY`` for none)
     takes: frozenset[str] = frozenset()  # of an object with its own .to(): the keywords its .to() takes
+    form: int = NODE  # how the walk under torch.compile takes a container: by these functions, or by a form above
 
 
 _NO_KEY: Any = object()  # the key of a child that is not a mapping's item (a dataclass field, say)
@@ -99,7 +106,8 @@ def _object_kind(tp: type) -> Kind:
             _get(out, "__dict__").update(zip(aux[2], children))
             return out
 
-        return Kind(NODE, flatten_plain, unflatten_plain, _object_entry, _object_keys)
+        form = ATTRIBUTES if fields and tp.__new__ is object.__new__ else NODE  # type: ignore[comparison-overlap]
+        return Kind(NODE, flatten_plain, unflatten_plain, _object_entry, _object_keys, form=form)
 
     ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
     keys_of = collections.OrderedDict.keys if ordered else dict.keys
@@ -166,7 +174,8 @@ def _object_kind(tp: type) -> Kind:
             _get(out, "__dict__").update((k, children[m + i]) for k, i in mirrors)
         return out
 
-    return Kind(NODE, flatten, unflatten, _object_entry, _object_keys if items_of is None else _sequence_keys)
+    keys = _object_keys if items_of is None else _sequence_keys
+    return Kind(NODE, flatten, unflatten, _object_entry, keys, form=SUBSET if base in (set, frozenset) else NODE)
 
 
 _get = object.__getattribute__  # an attribute as stored: no __getattr__ of the class runs

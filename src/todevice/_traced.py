@@ -12,7 +12,7 @@ Traced into the graph: tensors, atoms, dict, OrderedDict, defaultdict, list, tup
 frozenset, deque, namedtuples, structseqs such as ``torch.return_types``, dataclasses, nn.Modules
 (kept), objects with ``.to()``, registered types (as far as their functions trace), PackedBatch, and
 other leaves kept as they are (numpy values, paths, dates, functions, classes, plain objects): how
-to take a type ``_rule`` decides outside the graph. Other containers (dict and list subclasses,
+to take a type ``_form`` decides outside the graph. Other containers (dict and list subclasses,
 other mappings, dataclasses with slots) go through ``_tree``'s flatten under its lock: dynamo breaks
 the graph there (fullgraph=True raises), and the move runs as plain Python, which gives the eager
 result. So does a set of tensors, which dynamo does not take as an input.
@@ -155,7 +155,7 @@ def compiled(
     dev = _target(device)
     skip = _skip_set(skip_keys)
     h = _How(dev, _non_blocking(non_blocking, dev), dtype, skip)
-    out = _moved(obj, h)
+    out = h.walk(obj, h)
     if strict and h.unknown:
         # The eager check, which lists every object not understood: it looks at each type through
         # _tree, so the graph breaks here, and only for a structure that holds such an object.
@@ -202,14 +202,16 @@ def _skip_set(skip_keys: Hashable | Collection[Hashable] | None) -> frozenset[An
 
 
 class _How:
-    """One traced move's options, and its memos: the copy of each tensor met, by the tensor (an ``id()`` of a graph
-    input would make dynamo guard on that very object, and compile again for every new batch), and the result of
-    each other object moved as a whole, found by identity among the few a batch holds."""
+    """One traced move's options, its walk, and its memos: the copy of each tensor met, by the tensor (an ``id()`` of a
+    graph input would make dynamo guard on that very object, and compile again for every new batch), and the result
+    of each other object moved as a whole, found by identity among the few a batch holds."""
 
-    __slots__ = ("aliases", "copies", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views")
+    __slots__ = ("aliases", "copies", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views", "walk")
 
-    def __init__(self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[str]) -> None:
+    def __init__(self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
         self.dev, self.nb, self.dtype, self.skip = dev, nb, dtype, skip
+        # The one walk, as the eager move makes it, with this move's leaves and dynamo's view of the kinds.
+        self.walk = _walk.make(_never, _tensor, _leaf, _kind, _slot, skip, _kept).walk
         self.copies: dict[torch.Tensor, torch.Tensor] = {}
         self.memo: list[tuple[Any, Any]] = []
         self.views: list[torch.Tensor] | None = None  # a packed batch's tensors, while its skeleton is walked
@@ -217,6 +219,10 @@ class _How:
         self.held: _How | None = None  # with ``views`` and keys to skip: how the skipped items are filled
         self.unknown = False  # whether an object that strict=True refuses was met
         self.fresh = False  # in a batch packed under torch.compile: every tensor copied, as if read from a buffer
+
+
+def _never(t: torch.Tensor) -> bool:  # the walk's keep: whether a tensor stays is the copy's to say (``_one``)
+    return False
 
 
 def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
@@ -241,113 +247,114 @@ def _one(t: torch.Tensor, h: _How) -> torch.Tensor:
     return t.to(h.dev, cast, non_blocking=h.nb)
 
 
+def _slot(x: _tree.Slot, h: _How) -> Any:
+    return _tree.filled(x, h.views, h.aliases)
+
+
 def _kept(x: Any, h: _How) -> Any:
     """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it."""
-    return x if h.held is None else _moved(x, h.held)
+    return x if h.held is None else h.held.walk(x, h.held)
 
 
-def _moved(x: Any, h: _How) -> Any:
-    tp = type(x)
-    if isinstance(x, torch.Tensor):
-        return _tensor(x, h)
-    if tp is _tree.Slot or tp is _tree.AliasSlot:  # before the atoms: a slot is an int
+def _leaf(x: Any, code: int, h: _How) -> Any:
+    """What the walk does with a leaf that is neither a tensor nor an atom, by its code (``_kind``)."""
+    if code == _tree.SLOT:  # an AliasSlot
         return _tree.filled(x, h.views, h.aliases)
-    # A registration wins, as in _tree's rules (a registered subclass of int is a container).
-    reg = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
-    if reg is not None:
-        return _node(x, reg, h)
-    if tp in _tree._ATOMIC_EXACT or isinstance(x, _tree._ATOMIC_BASES):  # _tree's atoms (numpy's go through _rule)
-        return x
-    builtin = _tree._BUILTIN.get(tp)  # dict, list, tuple, OrderedDict, defaultdict, deque, sets: by their _tree rules
-    if builtin is not None:
-        if tp is frozenset and any(isinstance(v, torch.Tensor) for v in x) and torch.compiler.is_dynamo_compiling():
-            # Dynamo (2.13) rebuilds a frozenset of tensors only in a frame that names frozenset
-            # itself, which the caller's may not: this one is compiled on its own instead.
-            torch._dynamo.graph_break()
-        return _node(x, builtin, h)
-    rule = _rule(tp)
-    if rule == _KEEP:
-        return x
-    if rule & ~_TAKES_DTYPE in (_TO, _TO_NB):
-        return _to_object(x, h, rule & ~_TAKES_DTYPE == _TO_NB, bool(rule & _TAKES_DTYPE))
-    if rule == _PACKED:
+    if code == _tree.TO:
+        return _to_object(x, h)
+    if code == _tree.PACKED:
         out = _met(x, h)
         if out is None:
             out = _unpacked(x, h)
             h.memo.append((x, out))
         return out
-    if rule == _STRUCTSEQ:
-        return tp([_moved(v, h) for v in x])
-    if rule == _DATACLASS:
-        # Every instance attribute moved, fields or not, on a copy made without __init__, as the
-        # eager rule makes it; object.__setattr__ also writes the fields of a frozen dataclass.
-        if not LISTS_ATTRIBUTES:  # a dataclass with __post_init__, which may set more than its fields
-            torch._dynamo.graph_break(msg=_too_old(tp, "lists the attributes of"))
-        out = object.__new__(tp)
-        for name, value in vars(x).items():
-            object.__setattr__(out, name, _moved(value, h))
-        return out
-    if rule == _FIELDS:  # the same, where dynamo reads __dict__ only by key (before 2.12)
-        out = object.__new__(tp)
-        attrs = x.__dict__
-        for name in _field_names(tp):
-            if name in attrs:  # a field with init=False and no default may never have been set
-                object.__setattr__(out, name, _moved(attrs[name], h))
-        return out
-    if rule == _SET:  # a set or frozenset subclass: its rule makes one with its base's __new__, which dynamo fails on
-        return _set_outside_graph(x, _tree.kind_of(tp), h)
-    if rule == _NODE:  # by its _tree rule; where dynamo cannot trace that, the graph breaks, and it runs as Python
-        return _node(x, _tree.kind_of(tp), h)
+    if code == _tree.SUBSET:
+        return _subset_outside_graph(x, h)
     h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
     return x
 
 
-# How _moved takes an object of a type it does not test for itself: what ``_rule`` says.
-_KEEP, _UNKNOWN, _TO, _TO_NB, _PACKED, _STRUCTSEQ, _DATACLASS, _FIELDS, _NODE, _SET = range(10)
-_TAKES_DTYPE = 16  # or'ed into _TO and _TO_NB where the type's .to() takes dtype=
+def _kind(tp: type) -> _tree.Kind:
+    """The walk's ``kind_of``, as dynamo traces it: a registered or built-in container's rule, read from the dicts
+    that hold it by type; any other type's, or the form written for dynamo that its rule names (``_form``)."""
+    kind = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
+    if kind is None:
+        kind = _BUILTIN.get(tp)
+    if kind is not None:
+        return kind
+    at = _form(tp)
+    # Where dynamo cannot trace a rule's own functions, the graph breaks there, and that part runs as Python.
+    return _tree.kind_of(tp) if at == _tree.NODE else _FORMS[at]
 
 
-def _rule(tp: type) -> int:
-    """``_moved``'s rule for ``tp``, in the order of _tree's rules (the registry was read before).
+def _form(tp: type) -> int:
+    """Where ``_FORMS`` holds what the walk under torch.compile does with ``tp``: its kind's code for a leaf, the form
+    its rule names for a container, or NODE for a container taken by its own rule.
 
-    Dynamo runs it while tracing and puts its result in the graph as a constant (the mark below is
-    what ``torch.compiler.assume_constant_result`` sets, without importing dynamo here): the
-    ``hasattr``, signature and ``kind_of`` calls it makes are not traced, so an unknown leaf, a numpy
-    value or a path does not break the graph. It guards on ``type(x)``, which passes in as a class.
+    Dynamo runs it while tracing and puts its result in the graph as a constant (the mark below is what
+    ``torch.compiler.assume_constant_result`` sets, without importing dynamo here): the classification it makes is
+    not traced, so an unknown leaf, a numpy value or a path does not break the graph. It guards on ``type(x)``.
     """
     kind = _tree.kind_of(tp)
-    code = kind.code
-    if code == _tree.ATOM:
-        return _KEEP
-    if code == _tree.MODULE:
-        return _UNKNOWN
-    if code == _tree.PACKED:  # a PackedBatch
-        return _PACKED
-    if code == _tree.TO:
-        rule = _TO_NB if _tree.to_takes(tp, "non_blocking") else _TO
-        return rule | _TAKES_DTYPE if _tree.to_takes(tp, "dtype") else rule
-    if code == _tree.NODE:
-        if kind.entry is _tree._registered_entry:  # registered with torch pytree or optree: their flatten
-            return _NODE
-        if (
-            issubclass(tp, tuple)
-            and not hasattr(tp, "_fields")
-            and getattr(tp, "n_fields", None) == getattr(tp, "n_sequence_fields", 0)
-        ):
-            return _STRUCTSEQ  # a structseq with no field beyond its items (torch.return_types)
-        if dataclasses.is_dataclass(tp) and _plain_object(tp):
-            # Before 2.12 dynamo cannot list an instance's attributes. Those of a dataclass are its
-            # fields, unless its __post_init__ sets more (or code outside it does, which cannot be seen).
-            return _DATACLASS if LISTS_ATTRIBUTES or hasattr(tp, "__post_init__") else _FIELDS
-        return _SET if issubclass(tp, (set, frozenset)) else _NODE
-    return _UNKNOWN
+    return kind.form if kind.code == _tree.NODE else kind.code
 
 
-_rule._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_form._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _structseq(x: Any) -> tuple[list[Any], type]:
+    return list(x), type(x)
+
+
+def _structseq_made(tp: Any, children: list[Any]) -> Any:
+    return tp(children)
+
+
+def _attributes(x: Any) -> tuple[list[Any], tuple[type, list[str]]]:
+    """A dataclass's instance attributes, fields or not, as the eager rule lists them."""
+    tp = type(x)
+    if LISTS_ATTRIBUTES or hasattr(tp, "__post_init__"):  # which may set more than its fields
+        if not LISTS_ATTRIBUTES:  # the graph breaks: what follows runs as Python
+            torch._dynamo.graph_break(msg=_too_old(tp, "lists the attributes of"))
+        state = vars(x)
+        return list(state.values()), (tp, list(state))
+    attrs = x.__dict__  # before 2.12, read by key: the fields set (one with init=False and no default may be unset)
+    names = [name for name in _field_names(tp) if name in attrs]
+    return [attrs[name] for name in names], (tp, names)
+
+
+def _attributes_set(aux: tuple[type, list[str]], children: list[Any]) -> Any:
+    """A copy made without __init__, as the eager rule makes it; object.__setattr__ also writes a frozen one."""
+    tp, names = aux
+    out: Any = object.__new__(tp)
+    for name, value in zip(names, children):
+        object.__setattr__(out, name, value)
+    return out
+
+
+# What the walk does with each kind of leaf (by its code), and the containers taken by a form of their own.
+_FORMS: tuple[_tree.Kind, ...] = (
+    *(_tree.Kind(code) for code in range(_tree.STRUCTSEQ)),
+    _tree.Kind(_tree.NODE, _structseq, _structseq_made),
+    _tree.Kind(_tree.NODE, _attributes, _attributes_set),
+    _tree.Kind(_tree.SUBSET),
+)
+
+
+def _frozen(aux: None, children: list[Any]) -> frozenset[Any]:
+    """A frozenset, made in a frame that names frozenset: dynamo (2.13) rebuilds a frozenset of tensors only there, so
+    where it holds tensors the graph breaks, and this frame is compiled on its own."""
+    if any(isinstance(v, torch.Tensor) for v in children) and torch.compiler.is_dynamo_compiling():
+        torch._dynamo.graph_break()
+    return frozenset(children)
+
+
+# The built-in containers' rules, a frozenset's made by ``_frozen``.
+_BUILTIN = {**_tree._BUILTIN, frozenset: _tree._BUILTIN[frozenset]._replace(unflatten=_frozen)}
 
 
 def _field_names(tp: type) -> tuple[str, ...]:
-    """A dataclass's field names: a constant in the graph, as ``_rule``'s result is."""
+    """A dataclass's field names: a constant in the graph, as ``_form``'s result is."""
     return tuple(f.name for f in dataclasses.fields(tp))
 
 
@@ -365,25 +372,17 @@ def _too_old(tp: type, what: str) -> str:
 _too_old._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def _plain_object(tp: type) -> bool:
-    """Whether ``object.__new__`` makes an empty ``tp`` whose attributes all live in its ``__dict__``."""
-    new: Any = tp.__new__
-    return new is object.__new__ and not hasattr(tp, "__slots__") and not issubclass(tp, (dict, list))
-
-
-def _node(x: Any, kind: _tree.Kind, h: _How) -> Any:
-    """A container by its ``_tree`` rule: flattened, its children moved (but the skipped items), rebuilt."""
+def _subset(x: Any, h: _How) -> Any:
+    """A set or frozenset subclass, by its rule: made with its base's ``__new__``, which dynamo fails on."""
+    kind = _tree.kind_of(type(x))
     children, aux = kind.flatten(x)  # type: ignore[misc]
-    if h.skip and kind.keys is not None:
-        skip = h.skip
-        done = [_kept(v, h) if k in skip else _moved(v, h) for k, v in zip(kind.keys(aux), children)]
-    else:
-        done = [_moved(v, h) for v in children]
-    return kind.unflatten(aux, done)  # type: ignore[misc]
+    return kind.unflatten(aux, [h.walk(v, h) for v in children])  # type: ignore[misc]
 
 
-# A set or frozenset subclass, moved by its rule as plain Python: the graph breaks there (fullgraph=True raises).
-_set_outside_graph = _outside_graph(_node, "todevice.move() of a set or frozenset subclass, which dynamo cannot make")
+# Moved as plain Python: the graph breaks there (fullgraph=True raises).
+_subset_outside_graph = _outside_graph(
+    _subset, "todevice.move() of a set or frozenset subclass, which dynamo cannot make"
+)
 
 
 def _met(x: Any, h: _How) -> Any:
@@ -394,7 +393,7 @@ def _met(x: Any, h: _How) -> Any:
     return None
 
 
-def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
+def _to_object(x: Any, h: _How) -> Any:
     """An object with its own ``.to()``: moved by it, on a shallow copy, as the eager move does.
 
     ``dtype=`` reaches a ``.to()`` that takes it; a PackedSequence's, where its data is floating-point.
@@ -406,21 +405,25 @@ def _to_object(x: Any, h: _How, non_blocking: bool, takes_dtype: bool) -> Any:
     out = _met(x, h)
     if out is not None:
         return out
+    tp = type(x)
     target: Any = x
     if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
         if not LISTS_ATTRIBUTES:
-            torch._dynamo.graph_break(msg=_too_old(type(x), "makes a shallow copy of"))
+            torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
         target = _walk.copy_for_to(x)
     casts: dict[str, torch.dtype] = {}
     floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
-    if h.dtype is not None and takes_dtype and floating:
+    if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
         casts["dtype"] = h.dtype
-    out = target.to(h.dev, non_blocking=h.nb, **casts) if non_blocking else target.to(h.dev, **casts)
+    if _tree.to_takes(tp, "non_blocking"):
+        out = target.to(h.dev, non_blocking=h.nb, **casts)
+    else:
+        out = target.to(h.dev, **casts)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if isinstance(x, _Mapping):  # what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(x, out, h.skip, lambda v: _moved(v, h), h.copies.setdefault, h.dev, h.dtype)
+        _walk.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
     return out
 
 
@@ -453,7 +456,7 @@ def _unpacked(batch: Any, h: _How) -> Any:
         # gives copies (read from the buffer), which this one gives too. Packed outside with every
         # tensor left loose, they come back as they are, as the eager unpack gives them.
         fresh, h.fresh = h.fresh, lay is NOTHING_PACKED
-        out = _moved(batch.skeleton, h)
+        out = h.walk(batch.skeleton, h)
         h.fresh = fresh
         return out
     read = _read(batch.buffer, lay)
@@ -468,7 +471,7 @@ def _unpacked(batch: Any, h: _How) -> Any:
             read[k] = read[k].detach().requires_grad_()
     outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
     h.views, h.aliases, h.held, h.fresh = views, {}, held, False
-    out = _moved(batch.skeleton, h)
+    out = h.walk(batch.skeleton, h)
     h.views, h.aliases, h.held, h.fresh = outer
     return out
 

@@ -30,10 +30,13 @@ from todevice._objects import (  # re-exported: the kinds are _tree's words to e
     _IN_ATTRIBUTES as _IN_ATTRIBUTES,
     _NO_KEY as _NO_KEY,
     ATOM as ATOM,
+    ATTRIBUTES as ATTRIBUTES,
     MODULE as MODULE,
     NODE as NODE,
     PACKED as PACKED,
     SLOT as SLOT,
+    STRUCTSEQ as STRUCTSEQ,
+    SUBSET as SUBSET,
     TENSOR as TENSOR,
     TO as TO,
     UNKNOWN as UNKNOWN,
@@ -497,6 +500,9 @@ def to_takes(tp: type, name: str) -> bool:
     return name in kind_of(tp).takes
 
 
+to_takes._dynamo_marked_constant = True  # type: ignore[attr-defined]  # under torch.compile, run as Python: a constant
+
+
 def _pytree_kind(tp: type) -> Kind | None:
     """The rule of a type registered with ``torch.utils._pytree`` (torch.export, Hugging Face's ModelOutput) or in
     optree's global namespace: moved through that flatten and unflatten, packed like a type registered here."""
@@ -545,7 +551,8 @@ def _settled(tp: type) -> Kind | None:
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
         return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
-        return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry)
+        plain = getattr(tp, "n_fields", None) == tp.n_sequence_fields  # no field beyond its items
+        return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry, form=STRUCTSEQ if plain else NODE)
     if _pytree_kind(tp) is not None:  # torch pytree's or optree's rule, which a removal there would change
         return None
     if dataclasses.is_dataclass(tp) or _container_base(tp) is not None or issubclass(tp, _IN_ATTRIBUTES):
