@@ -605,3 +605,60 @@ def test_a_one_element_target_of_any_stride_is_written() -> None:
     row = torch.zeros(8)
     todevice.move({"a": torch.tensor([1.0]), "b": torch.tensor([2.0])}, out={"a": row[0:1], "b": row[4:5]})
     assert row.tolist() == [1.0, 0, 0, 0, 2.0, 0, 0, 0]
+
+
+# ---------------------------------------------------------------- pairing by the walk's rule
+
+
+@given(
+    st.dictionaries(st.text("abcdef", min_size=1, max_size=2), st.integers(0, 3), max_size=6),
+    st.randoms(use_true_random=False),
+    st.booleans(),
+)
+def test_the_flat_case_pairs_as_the_walk_s_rule_pairs(shape: dict[str, int], rnd: Any, drop: bool) -> None:
+    """``_flat_pairs`` specialises the pairing of two dicts of tensors: where it answers, it gives what ``pairs``
+    gives; keys in another order in out are paired by key, and a key missing from out is named by ``pairs``."""
+    pool = [torch.full((2,), float(i)) for i in range(4)]
+    batch = {k: pool[i] for k, i in shape.items()}
+    keys = list(batch)
+    rnd.shuffle(keys)
+    if drop and keys:
+        keys.pop()
+    out = {k: torch.zeros(2) for k in keys}
+    flat = _into._flat_pairs(batch, out)
+    try:
+        general = _into.pairs(batch, out)
+    except ValueError as err:
+        assert flat is None and "keys differ" in str(err)
+        return
+    if flat is not None:
+        sources, targets = flat
+        assert [id(t) for t in general] == [id(t) for pair in zip(sources, targets) for t in pair]
+
+
+@pytest.mark.parametrize(
+    ("batch", "out", "message"),
+    [
+        (
+            {"a": {"x": torch.ones(1)}},
+            {"a": {"y": torch.ones(1)}},
+            r"at \['a'\], the keys differ: the batch has \['x'\]",
+        ),
+        (
+            collections.OrderedDict(a=torch.ones(1), b=torch.ones(1)),
+            collections.OrderedDict(b=torch.ones(1), c=torch.ones(1)),
+            r"the keys differ: the batch has \['a'\] that out has not, and out has \['c'\]",
+        ),
+        (collections.deque([torch.ones(1)] * 2), collections.deque([torch.ones(1)]), r"the batch has \['\[1\]'\]"),
+    ],
+)
+def test_pairs_are_found_by_key_or_entry_and_a_difference_names_both_sides(batch: Any, out: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        todevice.move(batch, out=out)
+
+
+def test_a_mapping_in_another_order_is_paired_by_key() -> None:
+    batch = collections.OrderedDict(a=torch.ones(1), b=torch.full((2,), 2.0))
+    out = collections.OrderedDict(b=torch.zeros(2), a=torch.zeros(1))
+    assert todevice.move({"m": batch}, out={"m": out})["m"] is out
+    assert torch.equal(out["a"], batch["a"]) and torch.equal(out["b"], batch["b"])

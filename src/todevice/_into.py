@@ -208,26 +208,6 @@ def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torc
 
 
 def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
-    tp = type(a)
-    if tp is dict and type(b) is dict:  # the common case, inline: pairs by key, in the batch's order
-        if (len(a) != len(b) or skip) and a.keys() - skip != b.keys() - skip:  # skipped keys need not be on both sides
-            raise _Mismatch(_keys_differ(a, b, skip))
-        for k, v in a.items():
-            if k in skip:
-                continue
-            w = b.get(k, _MISSING)
-            if type(v) is _Tensor and type(w) is _Tensor:
-                found.append(v)
-                found.append(w)
-                continue
-            if w is _MISSING:
-                raise _Mismatch(_keys_differ(a, b, skip))
-            try:
-                _pair(v, w, found, skip)
-            except _Mismatch as m:
-                m.path = f"[{k!r}]{m.path}"
-                raise
-        return
     code = _code(a)
     if code == _tree.TENSOR:
         if not isinstance(b, torch.Tensor):
@@ -248,21 +228,14 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
         raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has {_walk.describe(a)}.")
 
 
-_MISSING: Any = object()
-
-
 def _code(x: Any) -> int:
     return _tree.kind_of(type(x)).code
 
 
-def _keys_differ(a: Any, b: Any, skip: frozenset[Any] = frozenset()) -> str:
-    missing = [k for k in a if k not in b and k not in skip]
-    extra = [k for k in b if k not in a and k not in skip]
-    return f"the keys differ: the batch has {missing} that out has not, and out has {extra} that the batch has not."
-
-
 def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
-    """A container's children, paired with those of ``b``: by key or name where they have one, else by position."""
+    """A container's children, paired with those of ``b`` through the walk's rule for its kind: a list's and a tuple's
+    by position; any other's by the key of a mapping's item, or by the path entry of anything else (``.field``,
+    ``[2]``). A mapping's items under the keys in ``skip`` need not be on both sides."""
     if type(b) is not type(a):
         raise _Mismatch(f"out holds a {type(b).__qualname__} where the batch has a {type(a).__qualname__}.")
     if isinstance(a, (set, frozenset)):
@@ -271,32 +244,52 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     assert kind.flatten is not None and kind.entry is not None
     children, aux = _walk.guarded(a, kind.flatten, a)
     theirs, their_aux = _walk.guarded(b, kind.flatten, b)
-    if len(theirs) != len(children) and kind.keys is None:
-        raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
-    keys = kind.keys(aux) if kind.keys is not None else None
+    keys = kind.keys(aux) if kind.keys is not None and not skip else None
     if type(a) is list or type(a) is tuple:
-        paired = [(i, v, w) for i, (v, w) in enumerate(zip(children, theirs))]
-    else:  # items, fields and attributes, each known by its path entry (['x'], .field): paired by it
-        mine = [kind.entry(aux, i) for i in range(len(children))]
-        by_entry = {kind.entry(their_aux, i): w for i, w in enumerate(theirs)}
-        skipped: set[str] = set()
-        if skip and keys is not None:  # skipped items need not be on both sides
-            skipped = {mine[i] for i, k in enumerate(keys) if k in skip}
-            their_keys = kind.keys(their_aux)  # type: ignore[misc]
-            skipped.update(kind.entry(their_aux, i) for i, k in enumerate(their_keys) if k in skip)
-        wanted = [e for e in mine if e not in skipped]
-        offered = [e for e in by_entry if e not in skipped]
-        if len(wanted) != len(offered) or any(e not in by_entry for e in wanted):
-            missing = [e for e in wanted if e not in by_entry]
-            extra = [e for e in offered if e not in wanted]
-            raise _Mismatch(f"the batch has {missing} that out has not, and out has {extra} that the batch has not.")
-        paired = [(i, children[i], by_entry[e]) for i, e in enumerate(mine) if e not in skipped]
+        if len(theirs) != len(children):
+            raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
+        paired: Any = zip(range(len(children)), children, theirs)
+    elif keys is not None and _tree._NO_KEY not in keys and keys == kind.keys(their_aux):  # type: ignore[misc]
+        paired = zip(range(len(children)), children, theirs)  # the same keys in the same order: by position
+    else:
+        mine = _labels(kind, aux, len(children), skip)
+        wanted = [label for label in mine if label[0] is not _SKIPPED]
+        offered = {
+            label: w
+            for label, w in zip(_labels(kind, their_aux, len(theirs), skip), theirs)
+            if label[0] is not _SKIPPED
+        }
+        if len(wanted) != len(offered) or any(label not in offered for label in wanted):
+            missing = [label[1] for label in wanted if label not in offered]
+            extra = [label[1] for label in offered if label not in wanted]
+            what = "the keys differ: " if kind.keys is not None else ""
+            raise _Mismatch(
+                f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
+            )
+        paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label[0] is not _SKIPPED)
     for i, v, w in paired:
+        if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
+            found.append(v)
+            found.append(w)
+            continue
         try:
             _pair(v, w, found, skip)
         except _Mismatch as m:
             m.path = kind.entry(aux, i) + m.path
             raise
+
+
+_KEY, _ENTRY, _SKIPPED = "key", "entry", "skipped"
+
+
+def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any]]:
+    """What pairs each child: a mapping's item by its key, anything else by its path entry; an item under a key in
+    ``skip`` is labelled so, and need not be on both sides."""
+    keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
+    return [
+        (_ENTRY, kind.entry(aux, i)) if k is _tree._NO_KEY else (_SKIPPED if skip and k in skip else _KEY, k)  # type: ignore[misc]
+        for i, k in enumerate(keys)
+    ]
 
 
 # ---------------------------------------------------------------- checking every pair, then copying
