@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
 from tests import helpers, strategies
-from todevice import _move, _stream
+from todevice import _into, _layout, _move, _stream
 
 
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = False) -> Any:
@@ -941,6 +941,54 @@ def test_mps_copies_from_pageable_memory_are_blocking(
     monkeypatch.setattr(_stream, "resolve_device", lambda device, *args, **kwargs: device)  # no MPS here
     _move.plan(torch.device("mps", 0), True, None).to(t)  # type: ignore[union-attr]  # never None with an index
     assert _PinRecorder.calls == [expected]
+
+
+@pytest.mark.parametrize(
+    ("device", "nbytes", "pinned", "waited", "expected"),
+    [
+        ("cuda:0", 16, False, True, True),
+        ("cuda:0", 16, False, False, True),
+        ("mps:0", 16, False, True, False),  # pytorch#83015: only a pinned source goes async
+        ("mps:0", 16, True, True, True),
+        ("mps:0", None, False, True, False),  # an object's own .to(), whose tensors are not seen
+        ("cpu", 16, False, True, True),  # lands in page-locked memory, waited for before move() returns
+        ("cpu", _layout.PINNED_RESULT_MAX_BYTES + 4, False, True, False),  # too large to land pinned
+        ("cpu", 16, False, False, False),  # under torch.compile, or into out=: no wait, so blocking
+        ("cpu", None, False, True, True),
+    ],
+)
+def test_one_non_blocking_rule_for_every_copy(
+    device: str, nbytes: int | None, pinned: bool, waited: bool, expected: bool
+) -> None:
+    t = None
+    if nbytes is not None:
+        t = torch.Tensor._make_subclass(_PinRecorder, torch.empty(nbytes // 4))
+        t.pinned = pinned
+    dev = torch.device(device)
+    assert _layout.asynchronous(True, dev, t, waited) is expected
+    assert _layout.asynchronous(False, dev, t, waited) is False
+
+
+def test_out_copies_to_mps_from_pageable_memory_are_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """out='s copy of a tensor by itself follows the same rule (it passed non_blocking on as it was)."""
+    seen: list[Any] = []
+
+    class Target(torch.Tensor):
+        @property
+        def device(self) -> torch.device:  # type: ignore[override]
+            return torch.device("mps", 0)
+
+        @property
+        def is_cpu(self) -> bool:  # type: ignore[override]
+            return False
+
+        def copy_(self, src: Any, non_blocking: bool = False) -> Any:  # type: ignore[override]
+            seen.append(non_blocking)
+            return self
+
+    dst = torch.Tensor._make_subclass(Target, torch.zeros(2))
+    _into._alone(torch.ones(2), dst, True)
+    assert seen == [False]
 
 
 # ---------------------------------------------------------------- regressions

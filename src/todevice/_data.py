@@ -10,7 +10,7 @@ import torch
 import torch.utils.data
 from torch.utils.data._utils.collate import collate as _collate, collate_tensor_fn, default_collate_fn_map
 
-from todevice import _move, _options, _pack, _stream
+from todevice import _move, _options, _pack, _stream, _tree
 from todevice._stream import DeviceLike
 
 B = TypeVar("B")
@@ -21,7 +21,7 @@ def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Te
     # worker. The small fields are packed into one buffer right after, so theirs would be waste;
     # a large field stays a tensor of its own, and goes there as default_collate puts it.
     elem = batch[0]
-    if elem.is_nested or elem.layout is not torch.strided or elem.nbytes * len(batch) > _options.COALESCE_MAX_BYTES:
+    if not _tree.has_memory(elem) or elem.nbytes * len(batch) > _options.COALESCE_MAX_BYTES:
         stacked: torch.Tensor = collate_tensor_fn(batch)  # refuses nested and sparse ones, with torch's message
         return stacked
     return torch.stack(batch, 0)

@@ -489,18 +489,16 @@ def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) 
 
 
 def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
-    """One copy: a large pageable host tensor through pinned memory, anything else as ``copy_`` does it."""
-    if dst.is_cpu or dst.is_meta:
-        dst.copy_(src)  # into host memory: landed when move() returns
-    elif not (
-        non_blocking
-        and src.is_cpu
-        and _layout.nbytes(src) > _layout.PAGEABLE_DIRECT_MAX_BYTES_ONE
+    """One copy: a large pageable host tensor through pinned memory, anything else as ``copy_`` does it; into host
+    memory it has landed when move() returns."""
+    dev = dst.device
+    if not (
+        _layout.staged_alone(src, _layout.stages(non_blocking, dev))
         and dst.is_contiguous()
         and _layout.stageable(src)
         and _layout.send_staged([(src, dst)])
     ):
-        dst.copy_(src, non_blocking=non_blocking)
+        dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dev, src, waited=False))
 
 
 def _together(

@@ -88,8 +88,8 @@ def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast
     Raises:
         TypeError: a dtype that a byte buffer does not hold exactly (a quantized one, say).
     """
-    if not DENSE_DTYPES.issuperset(dtypes):  # checked here, so a signature laid out before skips the check
-        msg = f"Cannot lay out {sorted(map(str, set(dtypes) - DENSE_DTYPES))} in a byte buffer."
+    if not _tree.DENSE_DTYPES.issuperset(dtypes):  # checked here, so a signature laid out before skips the check
+        msg = f"Cannot lay out {sorted(map(str, set(dtypes) - _tree.DENSE_DTYPES))} in a byte buffer."
         raise TypeError(msg)
     by_key: dict[tuple[torch.dtype, torch.dtype, torch.Size], list[int]] = {}
     for k, (dtype, shape) in enumerate(zip(dtypes, shapes)):
@@ -142,7 +142,14 @@ _EMPTY_KEEPS_SHAPE = torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch
 
 
 def _cut(region: torch.Tensor, group: Ragged) -> list[torch.Tensor]:
-    """A ragged region's tensors, as views, without their padding: one C++ loop."""
+    """A ragged region's tensors, as views, without their padding: one C++ loop; under dynamo, which does not trace
+    it, a slice each."""
+    if torch.compiler.is_dynamo_compiling():
+        out, at = [], 0
+        for shape, pad in zip(group.shapes, group.pads):
+            out.append(region[at : at + shape.numel()].view(shape))
+            at += shape.numel() + pad
+        return out
     pieces: list[torch.Tensor] = torch._C._nn.unflatten_dense_tensors(region, _templates(group))[::2]
     if not _EMPTY_KEEPS_SHAPE:  # an empty tensor of two or more dimensions came back (0,)
         return [p if p.shape == shape else region[:0].view(shape) for p, shape in zip(pieces, group.shapes)]
@@ -165,7 +172,10 @@ def _regions(buffer: torch.Tensor, lay: Layout) -> list[tuple[Block | Ragged, to
     for g in lay.groups:
         size = g.dtype.itemsize
         typed = buffer.view(g.dtype)  # every group starts and ends on an ALIGN boundary
-        offset = typed.storage_offset() + g.start // size
+        if torch.compiler.is_dynamo_compiling():  # dynamo traces no storage_offset(): from a slice, which has it
+            typed, offset = typed[g.start // size :], None
+        else:
+            offset = typed.storage_offset() + g.start // size
         if type(g) is Block:
             out.append((g, typed.as_strided((g.n, *g.shape), _block_strides(g.shape, g.padded), offset)))
         else:
@@ -221,6 +231,32 @@ def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) ->
 PINNED_RESULT_MAX_BYTES = _options.COALESCE_MAX_BYTES
 
 
+def asynchronous(non_blocking: bool, dev: torch.device, t: torch.Tensor | None = None, waited: bool = True) -> bool:
+    """The one rule for a copy's ``non_blocking``, from move()'s, for ``t`` to ``dev`` (``t`` None: the tensors are
+    not seen, as by an object's own ``.to()``). Into host memory a copy is asynchronous only where the move waits for
+    it before returning (``waited``: not under torch.compile, not into out=), and a tensor's only up to
+    ``PINNED_RESULT_MAX_BYTES``, which land pinned. To MPS only from pinned memory (pytorch#83015: zeros)."""
+    if not non_blocking:
+        return False
+    if dev.type == "mps":
+        return t is not None and t.is_pinned()
+    if dev.type == "cpu":
+        return waited and (t is None or nbytes(t) <= PINNED_RESULT_MAX_BYTES)
+    return True
+
+
+def staged_alone(t: torch.Tensor, stage: bool) -> bool:
+    """Whether ``t``, sent by itself where pageable sources may cross through pinned memory (``stage``, from
+    ``stages``), crosses so: a host tensor over ``PAGEABLE_DIRECT_MAX_BYTES_ONE``, where the driver would wait."""
+    return stage and t.is_cpu and nbytes(t) > PAGEABLE_DIRECT_MAX_BYTES_ONE
+
+
+def stages(non_blocking: bool, dev: torch.device) -> bool:
+    """Whether pageable sources may cross through pinned memory: non_blocking, to an accelerator but MPS, whose
+    memory is unified and where a copy from pageable memory may not be asynchronous at all (pytorch#83015)."""
+    return non_blocking and dev.type not in _stream.HOST_TYPES and dev.type != "mps"
+
+
 def landed(buffer: torch.Tensor) -> torch.Tensor:
     """A gathered buffer on an accelerator copied to the host with one blocking copy, into pageable memory.
 
@@ -243,6 +279,7 @@ def read(
     appended to ``made``, so a side stream's caller can record it.
     """
     views: list[torch.Tensor] = []
+    traced = torch.compiler.is_dynamo_compiling()
     for g, region in _regions(buffer, lay):
         final = _options.cast_to(g.final, cast)
         if final != g.dtype:
@@ -255,7 +292,7 @@ def read(
         # saved for it ("modified by an inplace operation"), and unbind()'s views also refuse
         # in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the cheaper way
         # too: no autograd metadata, and no detach() after.
-        with _below_autograd_views():
+        with contextlib.nullcontext() if traced else _below_autograd_views():  # which dynamo does not trace
             if type(g) is Block:
                 views.extend(region.unbind(0))
             else:
@@ -373,17 +410,9 @@ def staging(nbytes: int, dev: torch.device) -> torch.Tensor:
 
 
 def stageable(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a pageable host tensor that :func:`send_staged` sends: on the host, not pinned (that one
-    is sent as it is, never read on the host), not a subclass, with memory of its own, and not one autograd must
-    follow."""
-    return not (
-        type(t) is not _Tensor
-        or not t.is_cpu
-        or not _tree.has_memory(t)
-        or t.dtype not in DENSE_DTYPES
-        or (t.requires_grad and torch.is_grad_enabled())
-        or t.is_pinned()
-    )
+    """Whether ``t`` is a pageable host tensor that :func:`send_staged` sends: ``_tree.dense``, on the host, not pinned
+    (that one is sent as it is, never read on the host), and not one autograd must follow."""
+    return _tree.dense(t) and t.is_cpu and not (t.requires_grad and torch.is_grad_enabled()) and not t.is_pinned()
 
 
 def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -513,28 +542,6 @@ def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # Dtypes a byte buffer holds exactly (quantized and other exotic dtypes are left out).
-DENSE_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex32,
-        torch.complex64,
-        torch.complex128,
-        torch.int8,
-        torch.uint8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    }
-)
 
 # Slots made once: a skeleton holds one per tensor taken, and Slot(i) is always the same value.
 _SLOTS = tuple(map(_tree.Slot, range(4096)))
@@ -597,10 +604,8 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
     """The take for a structure that repeats tensors, ties memory, or holds exotic tensors."""
     max_bytes = s.max_bytes
     if (
-        type(t) is not _Tensor
+        not _tree.dense(t)  # sparse, mkldnn, nested and functorch-wrapped tensors travel as they are
         or t.is_cpu is s.devices
-        or t.dtype not in DENSE_DTYPES
-        or not _tree.has_memory(t)  # sparse, mkldnn, nested and functorch-wrapped tensors travel as they are
         or (max_bytes is not None and t.nbytes > max_bytes)
         or (t.requires_grad and not s.grad)
     ):

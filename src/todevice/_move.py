@@ -89,23 +89,18 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     host = dev.type in _stream.HOST_TYPES
     gathers = dev.type == "cpu"
     to_host = gathers and non_blocking
-    # Pageable sources cross through pinned memory; not to MPS, where memory is unified and a copy
-    # from pageable memory may not be asynchronous at all (pytorch#83015).
-    stage = non_blocking and not host and not mps
+    stage = _layout.stages(non_blocking, dev)
+    by_tensor = non_blocking and (gathers or mps)  # whether _layout.asynchronous's answer depends on the tensor
 
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
             return t.to(dev)  # parses fastest
-        nb = non_blocking
-        if to_host:
-            nb = _layout.nbytes(t) <= _layout.PINNED_RESULT_MAX_BYTES
-        elif mps:  # pageable-to-MPS async copies can return zeros (pytorch#83015): only pinned sources go async
-            nb = nb and t.is_pinned()
+        nb = _layout.asynchronous(non_blocking, dev, t) if by_tensor else non_blocking
         return t.to(dev, None if dtype is None else _options.cast_to(t.dtype, dtype), non_blocking=nb)
 
     def alone(t: torch.Tensor) -> torch.Tensor:
         """``t`` copied by itself: through pinned memory where the driver would wait for queued work."""
-        if stage and t.is_cpu and _layout.nbytes(t) > _layout.PAGEABLE_DIRECT_MAX_BYTES_ONE:
+        if _layout.staged_alone(t, stage):
             out = _layout.stage([t], dev, dtype).get(id(t))
             if out is not None:
                 return out
@@ -440,7 +435,7 @@ def _to_object(obj: Any, s: State) -> Any:
     if streams is not None:
         _stream.set_stream(streams[0])
     try:
-        out = _walk.to_object(obj, p.dev, p.non_blocking and p.dev.type != "mps", p.dtype)
+        out = _walk.to_object(obj, p.dev, _layout.asynchronous(p.non_blocking, p.dev), p.dtype)
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])

@@ -21,7 +21,7 @@ Where the result differs from the eager move, and why:
 
 - ``coalesce``, ``coalesce_max_bytes`` and ``stream`` are checked, then ignored: the copies are the compiler's to
   schedule, on the current stream, which is also what makes them safe to use there.
-- A copy into host memory or to MPS is blocking (see ``_non_blocking``).
+- A copy into host memory or to MPS is blocking (``_layout.asynchronous``, with no wait before returning).
 - The same tensor met twice is copied once, but distinct tensors over the same memory (tied
   weights) are copied separately: a data pointer is not known while tracing.
 - Atoms come back equal, not always the very same objects: dynamo may hand back the constant it
@@ -154,7 +154,7 @@ def compiled(
         _stream.check_stream(stream)
     dev = _target(device)
     skip = _skip_set(skip_keys)
-    h = _How(dev, _non_blocking(non_blocking, dev), dtype, skip)
+    h = _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), dtype, skip)
     out = h.walk(obj, h)
     if strict and h.unknown:
         # The eager check, which lists every object not understood: it looks at each type through
@@ -189,12 +189,6 @@ def _target(device: Any) -> torch.device:
 
 
 _target._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _non_blocking(non_blocking: bool, dev: torch.device) -> bool:
-    # Into host memory the eager move waits for its copies before returning; to MPS it copies
-    # asynchronously from pinned memory only (pytorch#83015): here both block, so results are safe.
-    return non_blocking and dev.type not in ("cpu", "mps")
 
 
 def _skip_set(skip_keys: Hashable | Collection[Hashable] | None) -> frozenset[Any]:
@@ -444,7 +438,7 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
     packed outside is read as views of its buffer, which fill its slots.
     """
     dev = _target(device)
-    return _unpacked(batch, _How(dev, _non_blocking(non_blocking, dev), None, frozenset()))
+    return _unpacked(batch, _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), None, frozenset()))
 
 
 def _unpacked(batch: Any, h: _How) -> Any:
@@ -459,7 +453,7 @@ def _unpacked(batch: Any, h: _How) -> Any:
         out = h.walk(batch.skeleton, h)
         h.fresh = fresh
         return out
-    read = _read(batch.buffer, lay)
+    read = _layout.read(batch.buffer, lay)
     views = [_one(v, h) for v in read]
     for k in batch.requires_grad:
         views[k] = views[k].detach().requires_grad_()
@@ -474,26 +468,3 @@ def _unpacked(batch: Any, h: _How) -> Any:
     out = h.walk(batch.skeleton, h)
     h.views, h.aliases, h.held, h.fresh = outer
     return out
-
-
-def _read(buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
-    """The packed tensors, in walk order, as views of ``buffer`` (cast where the layout says)."""
-    views: list[torch.Tensor] = []
-    for g in lay.groups:
-        size = g.dtype.itemsize
-        typed = buffer.view(g.dtype)  # every group starts and ends on an ALIGN boundary
-        at = g.start // size
-        part: list[torch.Tensor] = []
-        if type(g) is _layout.Block:
-            n = g.shape.numel()
-            part = [typed[at + i * g.padded : at + i * g.padded + n].view(g.shape) for i in range(g.n)]
-        else:
-            assert type(g) is _layout.Ragged
-            for shape, pad in zip(g.shapes, g.pads):
-                n = shape.numel()
-                part.append(typed[at : at + n].view(shape))
-                at += n + pad
-        if g.final != g.dtype:
-            part = [v.to(g.final) for v in part]
-        views.extend(part)
-    return [views[i] for i in lay.order]

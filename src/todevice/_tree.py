@@ -79,6 +79,19 @@ def has_memory(t: torch.Tensor) -> bool:
     return t.layout is torch.strided and not t.is_nested and not wrapped(t)
 
 
+DENSE_DTYPES = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128}
+    | {torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.uint16, torch.uint32}
+    | {torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2}
+)
+
+
+def dense(t: Any) -> bool:
+    """The one predicate for a tensor whose bytes a byte buffer holds, read by staging, packing and coalescing: a
+    plain tensor (no subclass), with memory of its own (``has_memory``), of a dtype in ``DENSE_DTYPES``."""
+    return type(t) is torch.Tensor and t.dtype in DENSE_DTYPES and has_memory(t)
+
+
 class Slot(int):
     """A hole in a packed structure's skeleton: the place of the ``int(self)``-th tensor taken out.
 
