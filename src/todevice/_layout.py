@@ -468,15 +468,12 @@ def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype
     no room on the device): each tensor is then copied by itself, and an error names its path.
     """
     pageable: list[torch.Tensor] = []
-    seen: dict[int, list[torch.Tensor]] = {}  # data_ptr -> the tensors staged there
+    seen = _walk.Seen()
     total = 0
     for t in tensors:
-        if not stageable(t):
+        if not stageable(t) or seen.find(t) is not None or total + t.nbytes > STAGE_MAX_BYTES:
             continue
-        at = seen.setdefault(t.data_ptr(), [])
-        if any(u is t or same_view(u, t) for u in at) or total + t.nbytes > STAGE_MAX_BYTES:
-            continue
-        at.append(t)
+        seen.add(t, None)
         pageable.append(t)
         total += t.nbytes
     if not sending(0, 0, len(pageable), total, False).staged:
@@ -501,14 +498,6 @@ def nbytes(t: torch.Tensor) -> int:
         return 0
 
 
-def ptr(t: torch.Tensor) -> int:
-    """``t.data_ptr()``; 0 for sparse tensors and wrapper subclasses, which have no single storage."""
-    try:
-        return int(t.data_ptr())
-    except RuntimeError:
-        return 0
-
-
 def distinct(sources: list[torch.Tensor]) -> bool:
     """Whether no tensor repeats among ``sources`` and none shares memory with another: checked in bulk."""
     try:
@@ -526,23 +515,6 @@ def distinct(sources: list[torch.Tensor]) -> bool:
     return len(set(held)) == len(held) and len(set(empty)) == len(empty)
 
 
-def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors at one address read that memory the very same way, so one result serves both.
-
-    Same dtype, device, shape and strides (a dimension of size 1 may have any stride), and no lazy
-    conjugate or negative bit on one only. Tensors requiring grad never share: a shared result would
-    route one's gradient through the other.
-    """
-    if a.requires_grad or b.requires_grad or a.dtype != b.dtype or a.device != b.device:
-        return False
-    if a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
-        return False
-    shape = a.shape
-    return shape == b.shape and all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
-
-
-# Dtypes a byte buffer holds exactly (quantized and other exotic dtypes are left out).
-
 # Slots made once: a skeleton holds one per tensor taken, and Slot(i) is always the same value.
 _SLOTS = tuple(map(_tree.Slot, range(4096)))
 NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  # a "keep" that says no, in C
@@ -556,7 +528,7 @@ requires_grad = operator.attrgetter("requires_grad")
 class _Taking:
     """One take's state: the tensors taken, in walk order, and those left in the skeleton."""
 
-    __slots__ = ("alone", "by_id", "by_ptr", "devices", "grad", "loose", "max_bytes", "tensors")
+    __slots__ = ("alone", "devices", "grad", "loose", "max_bytes", "seen", "tensors")
 
     def __init__(self, max_bytes: int | None, grad: bool, devices: bool) -> None:
         self.max_bytes = max_bytes
@@ -565,8 +537,7 @@ class _Taking:
         self.tensors: list[torch.Tensor] = []
         self.loose: list[Any] = []  # tensors and objects with .to() left in the skeleton
         self.alone: list[torch.Tensor] = []  # of those, the plain tensors on the side taken from (large, or grad)
-        self.by_ptr: dict[int, list[int]] = {}  # careful take: data_ptr -> indices of the tensors taken there
-        self.by_id: dict[int, tuple[torch.Tensor, Any]] = {}  # careful take: tensor met before -> (tensor, slot)
+        self.seen = _walk.Seen()  # the careful take's: each tensor taken, with its slot
 
 
 def _take(t: torch.Tensor, s: _Taking) -> Any:
@@ -613,20 +584,15 @@ def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
         if type(t) is _Tensor and t.is_cpu is not s.devices:
             s.alone.append(t)
         return t
-    seen = s.by_id.get(id(t))
-    if seen is not None:
-        return seen[1]  # the same tensor again: the same slot
-    ptr = t.data_ptr()
-    at_ptr = s.by_ptr.setdefault(ptr, []) if ptr else []
-    for first in at_ptr:
-        if same_view(s.tensors[first], t):
-            slot: Any = _tree.AliasSlot(first)  # tied memory: a new view of the same packed tensor
-            break
-    else:
-        slot = _tree.Slot(len(s.tensors))
-        at_ptr.append(len(s.tensors))
+    found = s.seen.find(t)
+    if found is None:
+        slot: Any = _tree.Slot(len(s.tensors))
         s.tensors.append(t)
-    s.by_id[id(t)] = (t, slot)  # the tensor kept alive, so its id stays its own
+    elif found[2]:
+        return found[1]  # the same tensor again: the same slot
+    else:
+        slot = _tree.AliasSlot(int(found[1]))  # tied memory: a new view of the same packed tensor
+    s.seen.add(t, slot)
     return slot
 
 

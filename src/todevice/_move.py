@@ -133,21 +133,12 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
 
     def moved(t: torch.Tensor, s: State) -> torch.Tensor:
         """A tensor not in place, moved once, with aliasing and shared memory kept."""
-        ptr = _layout.ptr(t)
-        if not ptr:  # meta and empty tensors own no memory: told apart by identity
-            seen = s.memo.get(id(t))
-            if seen is not None:
-                prior: torch.Tensor = seen[1]
-                return prior
+        key = _walk.where(t)
+        if key not in s.seen.at:  # the common case, Seen.find and add inline: the first tensor at this address
             out = _copied(t, s)
-            s.memo[id(t)] = (t, out)
+            s.seen.at[key] = [(t, out)]
             return out
-        entries = s.by_ptr.get(ptr)
-        if entries is None:  # the common case: the first tensor at this address
-            out = _copied(t, s)
-            s.by_ptr[ptr] = [(t, out)]
-            return out
-        return _same_address(t, entries, s)
+        return _same_address(t, s)
 
     # A batch rarely repeats a tensor, and the memo costs moves to meta a quarter more. So on the host the first walk
     # only records its copies; a batch that repeats one is walked again with the memo, reusing them (a repeat copied
@@ -225,10 +216,10 @@ def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
 class State:
     """One memo walk's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
 
-    Every copy is appended to ``sources`` and ``results``. ``by_ptr`` maps a data_ptr to the (source, result) pairs
-    at that address (aliasing, and distinct tensors over the same memory), and tensors at address 0 and objects go
-    in ``memo``, by id. Each keeps its sources alive, so ids and addresses stay theirs. ``made`` holds the copies an
-    optimistic walk made before, by id of their source.
+    Every copy is appended to ``sources`` and ``results``. ``seen`` holds each tensor moved with its result
+    (aliasing, and distinct tensors over the same memory), and objects go in ``memo``, by id; each keeps its sources
+    alive, so ids and addresses stay theirs. ``made`` holds the copies an optimistic walk made before, by id of
+    their source.
     """
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
@@ -244,7 +235,7 @@ class State:
         self.plan = p
         self.sources: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
-        self.by_ptr: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.seen = _walk.Seen()
         self.memo: dict[int, tuple[Any, Any]] = {}
         self.made = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
@@ -254,7 +245,6 @@ class State:
     def outputs(self) -> list[torch.Tensor]:
         """Every tensor this move made: the coalesced buffers and each tensor copied on its own."""
         outs = [*self.buffers, *(out for src, out in zip(self.sources, self.results) if out is not src)]
-        outs.extend(out for src, out in self.memo.values() if isinstance(out, torch.Tensor) and out is not src)
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def know_taken(self) -> None:
@@ -267,14 +257,10 @@ class State:
     def once(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The one copy of ``t`` in this move: the copy made of it before, or ``out`` (made outside the walk, by a
         mapping's own .to()), then kept for a repeat."""
-        ptr = _layout.ptr(t)
-        if not ptr:
-            return self.memo.setdefault(id(t), (t, out))[1]  # type: ignore[no-any-return]
-        entries = self.by_ptr.setdefault(ptr, [])
-        for src, done in entries:
-            if src is t:
-                return done
-        entries.append((t, out))
+        found = self.seen.find(t)
+        if found is not None and found[2]:
+            return found[1]  # type: ignore[no-any-return]
+        self.seen.add(t, out)
         return out
 
     def finish(self, out: Any = None) -> Any:
@@ -344,22 +330,21 @@ def _memo_walk(x: Any, s: State) -> Any:  # the memo walk over x, on a stack pas
         return s.plan.memo_walk.walk_iteratively(x, s)
 
 
-def _same_address(t: torch.Tensor, entries: list[tuple[torch.Tensor, torch.Tensor]], s: State) -> torch.Tensor:
-    """Another tensor over an address moved already: the same tensor, tied memory, or another view."""
-    for src, done in entries:
-        if src is t:
-            return done
-    for src, done in entries:
+def _same_address(t: torch.Tensor, s: State) -> torch.Tensor:
+    """Another tensor at an address moved already: the same tensor, tied memory, or another view."""
+    found = s.seen.find(t)
+    if found is not None and found[2]:
+        return found[1]  # type: ignore[no-any-return]
+    if found is not None and found[1] is not found[0]:
         # Distinct tensors over exactly the same memory (tied weights) come out sharing memory too; not those
         # requiring grad, where a shared view would route the gradient through the wrong source.
-        if done is not src and type(t) is _Tensor and type(src) is _Tensor and _layout.same_view(src, t):
-            out = done.view(done.shape)
-            entries.append((t, out))
-            s.sources.append(t)
-            s.results.append(out)
-            return out
-    out = _copied(t, s)
-    entries.append((t, out))
+        done: torch.Tensor = found[1]
+        out = done.view(done.shape)
+        s.sources.append(t)
+        s.results.append(out)
+    else:
+        out = _copied(t, s)
+    s.seen.add(t, out)
     return out
 
 

@@ -194,6 +194,62 @@ def make(
     return Walk(walk, walk_iteratively)
 
 
+class Seen:
+    """The one record of the tensors a walk has met, read by the memo walk, the careful take and staging.
+
+    Each tensor is kept under its address (``where``), so that one met again is found, and so is a distinct tensor
+    over the same memory read the same way (``tied``: tied weights), whose result may be a view of the first one's.
+    Meta and empty tensors, at address 0, share nothing: each has a key of its own. The tensors are held, so their
+    ids and addresses stay theirs while the record lives.
+    """
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+
+    def find(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, bool] | None:
+        """(the tensor met, what was kept with it, whether it is ``t`` itself) for ``t`` met before, else for the
+        first tensor tied to it; None where neither was met."""
+        entries = self.at.get(where(t))
+        if entries:
+            for u, v in entries:
+                if u is t:
+                    return u, v, True
+            for u, v in entries:
+                if tied(u, t):
+                    return u, v, False
+        return None
+
+    def add(self, t: torch.Tensor, value: Any) -> None:
+        self.at.setdefault(where(t), []).append((t, value))
+
+
+def where(t: torch.Tensor) -> int:
+    """A tensor's key in ``Seen``: its address, or, for one with none (meta, empty, sparse, a wrapper subclass), the
+    complement of its id, which no address is."""
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
+        ptr = 0
+    return ptr if ptr else ~id(t)
+
+
+def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two plain tensors at one address read that memory the very same way, so one result serves both.
+
+    Same dtype, device, shape and strides (a dimension of size 1 may have any stride), and no lazy
+    conjugate or negative bit on one only. Tensors requiring grad never share: a shared result would
+    route one's gradient through the other.
+    """
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.requires_grad or b.requires_grad:
+        return False
+    if a.dtype != b.dtype or a.device != b.device or a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
+        return False
+    shape = a.shape
+    return shape == b.shape and all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
+
+
 def _as_it_is(x: Any, s: Any) -> Any:
     return x
 
