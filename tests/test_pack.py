@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def packed_tensors(tree: Any) -> list[torch.Tensor]:
     """The tensors pack() takes from ``tree``, in walk order."""
-    return _layout.take(tree, _move.COALESCE_MAX_BYTES, None, grad=True).tensors
+    return _layout.take(tree, _layout.PACKING, _move.COALESCE_MAX_BYTES, None, grad=True).tensors
 
 
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = True) -> Any:
@@ -961,11 +961,11 @@ def test_taking_from_devices_takes_what_is_off_the_host_and_needs_no_grad() -> N
         "big": torch.ones(1000, device="meta"),
         "name": "x",
     }
-    taken = _layout.take(tree, 1024, None, devices=True)
+    taken = _layout.take(tree, _layout.takes(frozenset(), True), 1024, None)
     assert [id(t) for t in taken.tensors] == [id(t) for t in small]
     assert taken.skeleton["host"] is tree["host"] and taken.skeleton["big"] is tree["big"]
     assert taken.skeleton["grad"] is tree["grad"] and len(taken.loose) == 2  # host tensors are not even looked at
-    assert [id(t) for t in _layout.take(tree, 1024, None).tensors] == [id(tree["host"])]
+    assert [id(t) for t in _layout.take(tree, _layout.PACKING, 1024, None).tensors] == [id(tree["host"])]
 
 
 def _warmed() -> None:
@@ -976,7 +976,10 @@ def _warmed() -> None:
 
 def test_a_batch_like_the_last_one_reuses_its_layout() -> None:
     _warmed()
-    assert _layout.take(_warm_batch(), None, None).layout is _layout.take(_warm_batch(), None, None).layout
+    assert (
+        _layout.take(_warm_batch(), _layout.PACKING, None, None).layout
+        is _layout.take(_warm_batch(), _layout.PACKING, None, None).layout
+    )
     tree = _warm_batch()
     helpers.assert_same_tree(todevice.pack(tree).unpack(), tree, values=True, same=False)
     helpers.assert_same_tree(todevice.move(tree, "meta", coalesce=True), helpers.reference_move(tree, "meta"))

@@ -603,17 +603,26 @@ def _as_it_is(x: Any, code: int, s: _Taking) -> Any:
     return x
 
 
-@functools.lru_cache(maxsize=16)
-def _takes(skip: frozenset[Any], devices: bool) -> tuple[_walk.Walk, _walk.Walk]:
-    """The optimistic and the careful take, leaving the items under the keys in ``skip`` as they are.
+class Takes(NamedTuple):
+    """The optimistic and the careful take, made once: by a move's plan, or for ``pack()`` (``PACKING``)."""
 
-    Taking from devices, host tensors stay where they are at the cost of a C call each.
-    """
+    optimistic: _walk.Walk
+    careful: _walk.Walk
+    devices: bool
+
+
+def takes(skip: frozenset[Any], devices: bool) -> Takes:
+    """The takes that leave the items under the keys in ``skip`` as they are: of host tensors, or with ``devices``
+    of tensors off the host, where host tensors stay where they are at the cost of a C call each."""
     keep = operator.attrgetter("is_cpu") if devices else NEVER
-    return (
+    return Takes(
         _walk.make(keep, _take, _as_it_is, _tree.kind_for_packing, skip=skip),
         _walk.make(keep, _take_carefully, _as_it_is, _tree.kind_for_packing, skip=skip),
+        devices,
     )
+
+
+PACKING = takes(frozenset(), False)
 
 
 class Taken(NamedTuple):
@@ -626,23 +635,15 @@ class Taken(NamedTuple):
     alone: list[torch.Tensor]  # of those, the plain tensors on the side taken from: large, or needing grad
 
 
-def take(
-    obj: Any,
-    max_bytes: int | None,
-    cast: torch.dtype | None,
-    grad: bool = False,
-    skip: frozenset[Any] = frozenset(),
-    devices: bool = False,
-) -> Taken:
-    """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``).
-
-    With ``devices``, every such tensor that is not on the host instead, whatever its device. The
-    items of mappings under the keys in ``skip`` stay in the skeleton as they are.
+def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False) -> Taken:
+    """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``) by
+    ``walks`` (``takes``): with their ``devices``, every such tensor that is not on the host instead, whatever its
+    device.
 
     Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
     a registered flatten.
     """
-    optimistic, careful = _takes(skip, devices)
+    optimistic, careful, devices = walks
     taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
     tensors = taking.tensors

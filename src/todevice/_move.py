@@ -42,6 +42,7 @@ class Plan(NamedTuple):
     # meta, where every tensor is copied and the optimistic walk records the copies as cheaply (2 and 3 tensors
     # measured 3% to 8% slower through the gate, on a 2-core x86 VM).
     gated: bool
+    takes: _layout.Takes  # the walks that take the small tensors out for coalescing
 
 
 class _NeedsMemo(Exception): ...  # the optimistic walk met an object that only the memo walk moves
@@ -149,7 +150,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     walks = (host_walk, memo_walk)
     return Plan(
         dev, non_blocking, dtype, keep, placed, to, alone, one, *walks, not host, gathers, stage, to_host, skip,
-        dev.type != "meta",
+        dev.type != "meta", _layout.takes(skip, gathers),
     )  # fmt: skip
 
 
@@ -602,7 +603,7 @@ def _taken(obj: Any, s: State, max_bytes: int) -> _layout.Taken | None:
     """The small tensors taken out of ``obj`` (off the host, to the CPU); None for a deep or cyclic ``obj``."""
     p = s.plan
     try:
-        return _layout.take(obj, max_bytes, p.dtype, skip=p.skip, devices=p.gathers)
+        return _layout.take(obj, p.takes, max_bytes, p.dtype)
     except RecursionError:
         return None  # the walk handles or reports it
     except LeafError as failure:

@@ -58,7 +58,7 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.
             return _untraced_pack(obj, shared=shared, max_bytes=max_bytes)  # type: ignore[no-any-return]
         return PackedBatch(torch.empty(0, dtype=torch.uint8), _traced.NOTHING_PACKED, obj, (), loose=1)
     try:
-        taken = _layout.take(obj, max_bytes, None, grad=True)
+        taken = _layout.take(obj, _layout.PACKING, max_bytes, None, grad=True)
     except _walk.LeafError as failure:
         _walk.explain(failure, obj, None, verb="pack")
     except RecursionError as err:

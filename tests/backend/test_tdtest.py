@@ -702,7 +702,7 @@ def test_a_thousand_small_device_tensors_come_back_in_one_copy() -> None:
     back, copies, kernels = counted(lambda: todevice.move(there, "cpu"))
     assert copies["h2d"] == 0 and copies["d2h"] == 1
     # A kernel or two per group of the layout (a copy on the device for padded rows), not one per tensor.
-    groups = _layout.take(there, todevice.COALESCE_MAX_BYTES, None, devices=True).layout.groups
+    groups = _layout.take(there, _layout.takes(frozenset(), True), todevice.COALESCE_MAX_BYTES, None).layout.groups
     assert 1 <= sum(kernels.values()) + copies["d2d"] <= 2 * len(groups) < 40
     helpers.assert_same_tree(back, tree, values=True)
 
