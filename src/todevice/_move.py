@@ -122,7 +122,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
         """A tensor not in place, moved and recorded: repeats and shared memory are found afterwards, in bulk."""
         if gathers and not t.is_cpu:
             raise _Gather  # its copy may be gathered with others on its device
-        try:
+        try:  # _walk.guarded's rule, inline: the host walk's one call per tensor is the copy
             out = t.to(dev) if plain else to(t)
         except RecursionError:
             raise  # deep nesting: the memo walk goes on on a stack
@@ -203,12 +203,7 @@ def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
     if out is None:
         if s.streams is not None:
             _order(t, s)
-        try:
-            out = s.plan.to(t) if s.planned else s.plan.alone(t)
-        except RecursionError:
-            raise
-        except Exception as err:
-            raise LeafError(t, err) from err
+        out = _walk.guarded(t, s.plan.to if s.planned else s.plan.alone, t)
     s.sources.append(t)
     s.results.append(out)
     return out

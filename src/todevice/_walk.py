@@ -123,12 +123,7 @@ def make(
                 return x
             if code != _NODE:
                 return leaf(x, code, s)
-            try:
-                children, aux = kind.flatten(x)  # type: ignore[misc]
-            except RecursionError:
-                raise
-            except Exception as err:  # a registered flatten's error names the node's path
-                raise LeafError(x, err) from err
+            children, aux = guarded(x, kind.flatten, x)  # type: ignore[arg-type]
             if skip and kind.keys is not None:
                 done = [held(v, s) if k in skip else walk(v, s) for k, v in zip(kind.keys(aux), children)]
                 return guarded(x, kind.unflatten, aux, done)  # type: ignore[arg-type]
@@ -146,12 +141,7 @@ def make(
             return done
         if tp is tuple:
             return tuple(done)
-        try:
-            return kind.unflatten(aux, done)  # type: ignore[misc]
-        except RecursionError:
-            raise
-        except Exception as err:
-            raise LeafError(x, err) from err
+        return guarded(x, kind.unflatten, aux, done)  # type: ignore[arg-type]
 
     def walk_iteratively(obj: Any, s: Any) -> Any:
         """The same walk with an explicit stack, for structures nested deeper than Python recursion."""
