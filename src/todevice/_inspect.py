@@ -160,9 +160,6 @@ class Finding:
     message: str
 
 
-_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
-
-
 def _need_module(module: Any, name: str) -> None:
     if not isinstance(module, nn.Module):
         msg = (
@@ -206,7 +203,7 @@ def audit(module: nn.Module, /) -> list[Finding]:
             if isinstance(value, torch.Tensor):
                 if id(value) not in registered and not _recomputed(sub, attr):
                     findings.append(_unregistered(where, attr, value))
-            elif isinstance(value, _PLAIN_CONTAINERS) or _tree.kind_of(type(value)).code == _tree.NODE:
+            elif _tree.kind_of(type(value)).code == _tree.NODE:  # every container the walk takes apart
                 findings.extend(_in_container(where, value, registered))
         findings.extend(_split(name, sub))
     return findings

@@ -172,12 +172,13 @@ def _regions(buffer: torch.Tensor, lay: Layout) -> list[tuple[Block | Ragged, to
     for g in lay.groups:
         size = g.dtype.itemsize
         typed = buffer.view(g.dtype)  # every group starts and ends on an ALIGN boundary
-        if torch.compiler.is_dynamo_compiling():  # dynamo traces no storage_offset(): from a slice, which has it
-            typed, offset = typed[g.start // size :], None
+        strides: Callable[..., tuple[int, ...]] = _block_strides
+        if torch.compiler.is_dynamo_compiling():  # dynamo traces no storage_offset() (a slice has it) nor the cache
+            typed, offset, strides = typed[g.start // size :], None, _block_strides.__wrapped__
         else:
             offset = typed.storage_offset() + g.start // size
         if type(g) is Block:
-            out.append((g, typed.as_strided((g.n, *g.shape), _block_strides(g.shape, g.padded), offset)))
+            out.append((g, typed.as_strided((g.n, *g.shape), strides(g.shape, g.padded), offset)))
         else:
             assert type(g) is Ragged
             out.append((g, typed.as_strided((g.nbytes // size,), (1,), offset)))
