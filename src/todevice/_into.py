@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from todevice import _layout, _options, _passed, _stream, _tree, _walk
+from todevice import _layout, _options, _passed, _tree, _walk
 
 _Tensor = torch.Tensor
 
@@ -525,13 +525,7 @@ def _together(
     if span is None and all(map(_is_cpu, targets)):
         torch._foreach_copy_(targets, sources)
         return
-    dev = targets[0].device
-    staging = None
-    if non_blocking and _stream.is_accelerator(dev):
-        staging = _stream.pinned(lay.nbytes, torch.uint8, dev)
-    asynchronous = staging is not None
-    if staging is None:  # meta, a backend without pinned memory, or a blocking move: pageable, copied blocking
-        staging = torch.empty(lay.nbytes, dtype=torch.uint8)
+    staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
     _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
     if span is not None:
         span.copy_(staging, non_blocking=asynchronous)

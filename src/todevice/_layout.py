@@ -404,10 +404,12 @@ def pieces(n: int, itemsize: int) -> range:
     return range(0, n, max(1, STAGE_CHUNK_BYTES // itemsize))
 
 
-def staging(nbytes: int, dev: torch.device) -> torch.Tensor:
-    """A host buffer of ``nbytes`` to write tensors into for ``dev``: page-locked where ``dev`` is an accelerator."""
-    buffer = _stream.pinned(nbytes, torch.uint8, dev) if _stream.is_accelerator(dev) else None
-    return torch.empty(nbytes, dtype=torch.uint8) if buffer is None else buffer  # the host, meta, or none left
+def staging(nbytes: int, dev: torch.device, pinned: bool = True) -> tuple[torch.Tensor, bool]:
+    """The one staging buffer, move()'s and out='s: ``nbytes`` of host memory to write tensors into for ``dev``, and
+    whether it is page-locked, as it is where ``dev`` is an accelerator (and ``pinned``) and pinned memory is had;
+    else pageable (the host, meta, or none left), to be copied from blocking."""
+    buffer = _stream.pinned(nbytes, torch.uint8, dev) if pinned and _stream.is_accelerator(dev) else None
+    return (torch.empty(nbytes, dtype=torch.uint8), False) if buffer is None else (buffer, True)
 
 
 def stageable(t: torch.Tensor) -> bool:

@@ -633,7 +633,7 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
         return _filled(taken, s, obj, lambda: [_copied(t, s) for t in small])
     views: list[torch.Tensor] = []
     for part, lay in _layout.parts(small, taken.layout, p.dtype):  # bounded: what one kept tensor holds alive
-        staging = _layout.staging(lay.nbytes, p.dev)
+        staging = _layout.staging(lay.nbytes, p.dev)[0]
         _layout.write(staging, lay, part)
         views += _send(s, staging, lay)
     return _filled(taken, s, obj, lambda: views)
