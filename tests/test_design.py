@@ -243,8 +243,9 @@ def test_move_has_five_exits_each_named_in_its_body() -> None:
         assert sum(f"# {n}. " in line for line in body) == 1, f"exit {n} is not named once"
 
 
-# Where a dict, list or tuple is taken apart by its type outside _tree's rules (and _objects', which _tree reads):
-# each a specialisation of one general rule, proven equal to the general walk by a property test, or no batch walk.
+# Where a container is told by its type outside _tree's rules (and _objects', which _tree reads): a dict, list, tuple,
+# set, deque or mapping compared by identity, or named in isinstance() or issubclass(). Each is a specialisation of
+# one general rule, proven equal to the general walk by a property test, or no batch walk.
 TAKES_PLAIN_CONTAINERS_APART = {
     "_walk.make.walk": "the walk's rule for dict, list and tuple, inline (tests/test_move.py properties)",
     "_back.gate": "the walk of a plain dict, list or tuple of tensors in one pass (tests/test_paths.py)",
@@ -255,14 +256,41 @@ TAKES_PLAIN_CONTAINERS_APART = {
     "_into._flat_pairs": "out='s pairing of two flat dicts of tensors (tests/test_paths.py, tests/test_into.py)",
     "_into._pair_children": "out='s pairing by each kind's rule; a list's or tuple's children by position, no labels",
     "_walk.copy_for_to": "no batch walk: copies an object's own attribute dicts before its .to() writes them",
+    "_walk.inside": "no batch walk: a guess at what an object with its own .to() holds, to look for tensors",
+    "_walk.rest_of_mapping": "no batch walk: whether what a mapping's own .to() gave can be written item by item",
+    "_data.collate.__init__": "no batch walk: a hint where a list of samples was passed as collate_fn",
     "_walk._copy_plain_containers": "no batch walk: the same, at any depth",
     "_walk._items": "no batch walk: a UserDict's own dict, read in C",
     "_passed.left_behind": "no batch walk: an object's __dict__, looked at for tensors left behind",
 }
 
 
+CONTAINER_NAMES = frozenset(
+    {"dict", "list", "tuple", "set", "frozenset", "deque", "OrderedDict", "defaultdict", "UserDict", "UserList"}
+    | {"ChainMap", "Mapping", "MutableMapping", "Sequence", "_Mapping"}
+)
+
+
+def _names_a_container(node: ast.AST) -> bool:
+    """Whether ``node`` compares a type with a container type by identity, or asks isinstance() or issubclass() of
+    one."""
+    if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+        named = node.comparators
+    elif (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass")
+    ):
+        named = list(ast.walk(node.args[1])) if len(node.args) == 2 else []
+    else:
+        return False
+    return any(
+        (isinstance(c, ast.Name) and c.id in CONTAINER_NAMES)
+        or (isinstance(c, ast.Attribute) and c.attr in CONTAINER_NAMES)
+        for c in named
+    )
+
+
 def functions_taking_plain_containers_apart() -> set[str]:
-    """Every function that compares a type with ``dict``, ``list`` or ``tuple`` by identity, as module.function."""
+    """Every function that tells a container by its type (``_names_a_container``), as module.function."""
     found = set()
     for path in sorted(SRC.glob("_*.py")):
         if path.stem in ("_tree", "_objects"):
@@ -270,9 +298,7 @@ def functions_taking_plain_containers_apart() -> set[str]:
         tree = ast.parse(path.read_text())
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Compare) or not any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
-                continue
-            if not any(isinstance(c, ast.Name) and c.id in ("dict", "list", "tuple") for c in node.comparators):
+            if not _names_a_container(node):
                 continue
             names, up = [], node
             while up in parents:

@@ -423,7 +423,7 @@ def _to_object(obj: Any, s: State) -> Any:
     if held:
         s.waits.update(held)
     s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out
-    if _tree.kind_of(type(obj)).keys is not None:  # a mapping: what its .to() left: containers in it, and keys to skip
+    if _tree.to_mapping(type(obj)):  # what its .to() left: containers in it, and keys to skip
         s.know_taken()  # a tensor of its own taken out of the batch: the view that holds its copy, not its .to()'s
         _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_memo_walk, s=s), s.once, p.dev, p.dtype)
     return out

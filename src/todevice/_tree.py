@@ -516,6 +516,14 @@ def to_takes(tp: type, name: str) -> bool:
 to_takes._dynamo_marked_constant = True  # type: ignore[attr-defined]  # under torch.compile, run as Python: a constant
 
 
+def to_mapping(tp: type) -> bool:
+    """Whether an object with its own ``.to()`` is a mapping, finished as one after its ``.to()`` (the rule's keys)."""
+    return kind_of(tp).keys is not None
+
+
+to_mapping._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _pytree_kind(tp: type) -> Kind | None:
     """The rule of a type registered with ``torch.utils._pytree`` (torch.export, Hugging Face's ModelOutput) or in
     optree's global namespace: moved through that flatten and unflatten, packed like a type registered here."""
