@@ -619,7 +619,12 @@ def kind_of(tp: type) -> Kind:
 # lookup: optree's own getter takes its lock, 0.36 against 0.05 us on a 2-core x86 VM. An optree without that dict is
 # asked through its getter.
 _OPTREE_NODES: dict[Any, Any] | None = getattr(optree.registry, "_NODETYPE_REGISTRY", None)
-_optree_entry: Any = optree.register_pytree_node.get if _OPTREE_NODES is None else _OPTREE_NODES.get
+
+
+def _optree_entry(tp: type) -> Any:
+    """optree's global entry for ``tp``, or None. A function, not the dict's bound ``get``: dynamo 2.11 does not trace a
+    call to a bound builtin method held in a global."""
+    return optree.register_pytree_node.get(tp) if _OPTREE_NODES is None else _OPTREE_NODES.get(tp)
 
 
 def _foreign(tp: type) -> tuple[Any, Any]:
