@@ -646,3 +646,44 @@ def test_before_torch_2_11_move_pack_and_unpack_run_outside_the_graph(monkeypatc
     assert not any(n.op == "call_method" and n.target == "to" for g in graphs for n in g.graph.nodes)
     assert packed.layout is not _traced.NOTHING_PACKED and packed.buffer.numel() > 0  # packed as eager code packs
     check(unpacked, todevice.move(batch, "meta"))
+
+
+# ---------------------------------------------------------------- found by review of the one walk
+
+
+@pytest.mark.skipif(not _traced.TRACES, reason="dynamo traces move() from torch 2.11")
+def test_a_batch_packed_outside_unpacks_inside_as_tensors_that_take_in_place_changes_with_autograd() -> None:
+    """Tensors of one shape share a block of the buffer: cut under dynamo into plain slices, not unbind()'s views,
+    which refuse an in-place change mixed with autograd, as the eager unpack's tensors take it."""
+    packed = todevice.pack([torch.randn(4) for _ in range(3)])
+    out = compiled(lambda p: todevice.move(p, "cpu"), fullgraph=True)(packed)
+    weight = torch.randn(4, requires_grad=True)
+    out[0].mul_(weight)
+    out[0].sum().backward()
+    assert weight.grad is not None
+
+
+class _Stored:
+    """A descriptor that keeps its value under another name in the instance's __dict__."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, obj: Any, tp: Any = None) -> Any:
+        return self if obj is None else getattr(obj, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.name, value)
+
+
+@dataclasses.dataclass
+class _WithDescriptor:
+    x: Any = _Stored()
+
+
+@pytest.mark.skipif(not _traced.TRACES, reason="dynamo traces move() from torch 2.11")
+def test_a_dataclass_with_a_descriptor_field_traces_in_one_graph() -> None:
+    batch = _WithDescriptor(torch.ones(2))
+    out = compiled(lambda b: todevice.move(b, "meta"), fullgraph=True)(batch)
+    helpers.assert_same_tree(out, todevice.move(batch, "meta"))
+    assert out.x.device.type == "meta" and batch.x.device.type == "cpu"

@@ -610,6 +610,12 @@ def test_a_one_element_target_of_any_stride_is_written() -> None:
 # ---------------------------------------------------------------- pairing by the walk's rule
 
 
+@dataclasses.dataclass
+class Rec:
+    a: Any
+    b: Any
+
+
 @given(
     st.dictionaries(st.text("abcdef", min_size=1, max_size=2), st.integers(0, 3), max_size=6),
     st.randoms(use_true_random=False),
@@ -649,7 +655,8 @@ def test_the_flat_case_pairs_as_the_walk_s_rule_pairs(shape: dict[str, int], rnd
             collections.OrderedDict(b=torch.ones(1), c=torch.ones(1)),
             r"the keys differ: the batch has \['a'\] that out has not, and out has \['c'\]",
         ),
-        (collections.deque([torch.ones(1)] * 2), collections.deque([torch.ones(1)]), r"the batch has \['\[1\]'\]"),
+        (collections.deque([torch.ones(1)] * 2), collections.deque([torch.ones(1)]), r"out holds 1 items where"),
+        (Rec(torch.ones(1), torch.ones(1)), Rec(torch.ones(1), None), r"at \.b, out holds None"),
     ],
 )
 def test_pairs_are_found_by_key_or_entry_and_a_difference_names_both_sides(batch: Any, out: Any, message: str) -> None:
@@ -662,3 +669,27 @@ def test_a_mapping_in_another_order_is_paired_by_key() -> None:
     out = collections.OrderedDict(b=torch.zeros(2), a=torch.zeros(1))
     assert todevice.move({"m": batch}, out={"m": out})["m"] is out
     assert torch.equal(out["a"], batch["a"]) and torch.equal(out["b"], batch["b"])
+
+
+def test_a_dataclass_whose_attributes_differ_is_not_said_to_differ_in_keys() -> None:
+    batch, out = Rec(torch.ones(1), torch.ones(1)), Rec(torch.zeros(1), torch.zeros(1))
+    out.extra = torch.zeros(1)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"the batch has \[\] that out has not, and out has \['\.extra'\]") as err:
+        todevice.move(batch, out=out)
+    assert "keys" not in str(err.value)
+
+
+def test_tensor_keys_pair_as_a_dict_finds_them() -> None:
+    """Keys pair by hash and equality, as out[key] would find them: tensors by identity."""
+    key, other = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])
+    source = torch.ones(3)
+    with pytest.raises(ValueError, match="the keys differ"):
+        todevice.move({key: source}, out={other: torch.zeros(3)})
+    for k in (torch.tensor(1.0), torch.tensor([1.0, 2.0])):  # equal values, other objects: refused, nothing written
+        target = torch.zeros(3)
+        with pytest.raises(ValueError, match="the keys differ"):
+            todevice.move({"m": {k: source}}, out={"m": {k.clone(): target}})
+        assert torch.equal(target, torch.zeros(3))
+    out = {"m": {key: torch.zeros(3)}}
+    todevice.move({"m": {key: source}}, out=out)
+    assert torch.equal(out["m"][key], source)

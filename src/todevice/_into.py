@@ -244,13 +244,10 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     assert kind.flatten is not None and kind.entry is not None
     children, aux = _walk.guarded(a, kind.flatten, a)
     theirs, their_aux = _walk.guarded(b, kind.flatten, b)
-    keys = kind.keys(aux) if kind.keys is not None and not skip else None
-    if type(a) is list or type(a) is tuple:
-        if len(theirs) != len(children):
-            raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
-        paired: Any = zip(range(len(children)), children, theirs)
-    elif keys is not None and _tree._NO_KEY not in keys and keys == kind.keys(their_aux):  # type: ignore[misc]
-        paired = zip(range(len(children)), children, theirs)  # the same keys in the same order: by position
+    if (type(a) is list or type(a) is tuple or kind.keys is None) and len(theirs) != len(children):
+        raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
+    if type(a) is list or type(a) is tuple or (not skip and kind.keys is not None and _same_keys(kind, aux, their_aux)):
+        paired: Any = zip(range(len(children)), children, theirs)  # by position: the very same keys, in order
     else:
         mine = _labels(kind, aux, len(children), skip)
         wanted = [label for label in mine if label[0] is not _SKIPPED]
@@ -260,9 +257,10 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
             if label[0] is not _SKIPPED
         }
         if len(wanted) != len(offered) or any(label not in offered for label in wanted):
+            known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
             missing = [label[1] for label in wanted if label not in offered]
-            extra = [label[1] for label in offered if label not in wanted]
-            what = "the keys differ: " if kind.keys is not None else ""
+            extra = [label[1] for label in offered if label not in known]
+            what = "the keys differ: " if any(label[0] is _KEY for label in (*wanted, *offered)) else ""
             raise _Mismatch(
                 f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
             )
@@ -277,6 +275,17 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
         except _Mismatch as m:
             m.path = kind.entry(aux, i) + m.path
             raise
+
+
+def _same_keys(kind: _tree.Kind, aux: Any, their_aux: Any) -> bool:
+    """Whether both sides hold the very same key objects, in the same order, and every child is an item: then they
+    pair by position. Equal keys that are other objects pair by ``_labels``, as a dict would find them."""
+    keys, theirs = kind.keys(aux), kind.keys(their_aux)  # type: ignore[misc]
+    return (
+        len(keys) == len(theirs)
+        and all(map(operator.is_, keys, theirs))
+        and not any(map(operator.is_, keys, itertools.repeat(_tree._NO_KEY)))
+    )
 
 
 _KEY, _ENTRY, _SKIPPED = "key", "entry", "skipped"
@@ -516,7 +525,7 @@ def _together(
     """
     if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
         for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
-            dst.copy_(src, non_blocking=non_blocking)
+            dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
         return
     on_host = targets[0].is_cpu
     if span is not None and on_host:

@@ -294,8 +294,8 @@ def read(
         # in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the cheaper way
         # too: no autograd metadata, and no detach() after.
         with contextlib.nullcontext() if traced else _below_autograd_views():  # which dynamo does not trace
-            if type(g) is Block:
-                views.extend(region.unbind(0))
+            if type(g) is Block:  # under dynamo a slice each: unbind's views refuse in-place changes with autograd
+                views.extend([region[i] for i in range(g.n)] if traced else region.unbind(0))
             else:
                 assert type(g) is Ragged
                 views.extend(_cut(region, g))

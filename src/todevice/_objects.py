@@ -94,6 +94,11 @@ def _object_kind(tp: type) -> Kind:
     hidden = frozenset(direct)  # not read again from __dict__
     has_dict = tp.__dictoffset__ != 0
     new = _bare_new(tp)
+    # Under torch.compile a dataclass that object.__new__ makes, its attributes all in its __dict__, is taken by the
+    # ATTRIBUTES form (dynamo cannot call object.__getattribute__): read with vars(), written with object.__setattr__.
+    made_by_object: bool = tp.__new__ is object.__new__  # type: ignore[comparison-overlap]
+    plain = fields and made_by_object and not hasattr(tp, "__slots__") and base is None
+    form = ATTRIBUTES if plain else SUBSET if base in (set, frozenset) else NODE
 
     if not direct and base is None and has_dict:  # every attribute in __dict__: most dataclasses
         # The same aux and children as the general functions below, in fewer steps.
@@ -106,7 +111,6 @@ def _object_kind(tp: type) -> Kind:
             _get(out, "__dict__").update(zip(aux[2], children))
             return out
 
-        form = ATTRIBUTES if fields and tp.__new__ is object.__new__ else NODE  # type: ignore[comparison-overlap]
         return Kind(NODE, flatten_plain, unflatten_plain, _object_entry, _object_keys, form=form)
 
     ordered = base is collections.OrderedDict  # its own order, which dict.keys() does not see after move_to_end()
@@ -175,7 +179,7 @@ def _object_kind(tp: type) -> Kind:
         return out
 
     keys = _object_keys if items_of is None else _sequence_keys
-    return Kind(NODE, flatten, unflatten, _object_entry, keys, form=SUBSET if base in (set, frozenset) else NODE)
+    return Kind(NODE, flatten, unflatten, _object_entry, keys, form=form)
 
 
 _get = object.__getattribute__  # an attribute as stored: no __getattr__ of the class runs
