@@ -244,9 +244,10 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     assert kind.flatten is not None and kind.entry is not None
     children, aux = _walk.guarded(a, kind.flatten, a)
     theirs, their_aux = _walk.guarded(b, kind.flatten, b)
-    if (type(a) is list or type(a) is tuple or kind.keys is None) and len(theirs) != len(children):
+    positional = type(a) is list or type(a) is tuple
+    if (positional or kind.keys is None) and len(theirs) != len(children):
         raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
-    if type(a) is list or type(a) is tuple or (not skip and kind.keys is not None and _same_keys(kind, aux, their_aux)):
+    if positional or (not skip and kind.keys is not None and _same_keys(kind, aux, their_aux)):
         paired: Any = zip(range(len(children)), children, theirs)  # by position: the very same keys, in order
     else:
         mine = _labels(kind, aux, len(children), skip)

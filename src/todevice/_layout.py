@@ -141,10 +141,10 @@ def _templates(group: Ragged) -> list[torch.Tensor]:
 _EMPTY_KEEPS_SHAPE = torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch.empty(0, 2)])[0].shape == (0, 2)
 
 
-def _cut(region: torch.Tensor, group: Ragged) -> list[torch.Tensor]:
-    """A ragged region's tensors, as views, without their padding: one C++ loop; under dynamo, which does not trace
-    it, a slice each."""
-    if torch.compiler.is_dynamo_compiling():
+def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torch.Tensor]:
+    """A ragged region's tensors, as views, without their padding: one C++ loop; ``traced`` (under dynamo, which does
+    not trace that loop), a slice each."""
+    if traced:
         out, at = [], 0
         for shape, pad in zip(group.shapes, group.pads):
             out.append(region[at : at + shape.numel()].view(shape))
@@ -166,15 +166,16 @@ def _block_strides(shape: torch.Size, padded: int) -> tuple[int, ...]:
     return tuple(strides + inner)
 
 
-def _regions(buffer: torch.Tensor, lay: Layout) -> list[tuple[Block | Ragged, torch.Tensor]]:
-    """Each group's part of ``buffer``, typed: (count, *shape) for a block, 1-D for a ragged group."""
+def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tuple[Block | Ragged, torch.Tensor]]:
+    """Each group's part of ``buffer``, typed: (count, *shape) for a block, 1-D for a ragged group. ``traced``: under
+    dynamo, which traces no ``storage_offset()`` (a slice has it) nor the strides' cache."""
     out: list[tuple[Block | Ragged, torch.Tensor]] = []
+    strides: Callable[..., tuple[int, ...]] = _block_strides.__wrapped__ if traced else _block_strides
     for g in lay.groups:
         size = g.dtype.itemsize
         typed = buffer.view(g.dtype)  # every group starts and ends on an ALIGN boundary
-        strides: Callable[..., tuple[int, ...]] = _block_strides
-        if torch.compiler.is_dynamo_compiling():  # dynamo traces no storage_offset() (a slice has it) nor the cache
-            typed, offset, strides = typed[g.start // size :], None, _block_strides.__wrapped__
+        if traced:
+            typed, offset = typed[g.start // size :], None
         else:
             offset = typed.storage_offset() + g.start // size
         if type(g) is Block:
@@ -281,7 +282,7 @@ def read(
     """
     views: list[torch.Tensor] = []
     traced = torch.compiler.is_dynamo_compiling()
-    for g, region in _regions(buffer, lay):
+    for g, region in _regions(buffer, lay, traced):
         final = _options.cast_to(g.final, cast)
         if final != g.dtype:
             region = region.to(final)  # one cast per group, on the receiving side
@@ -298,7 +299,7 @@ def read(
                 views.extend([region[i] for i in range(g.n)] if traced else region.unbind(0))
             else:
                 assert type(g) is Ragged
-                views.extend(_cut(region, g))
+                views.extend(_cut(region, g, traced))
     return views if lay.in_order else pick(views, lay.order)
 
 
