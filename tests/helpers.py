@@ -7,6 +7,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
@@ -158,9 +159,16 @@ def make_late(a: Any, late: Any) -> LateRecord:
 # ---------------------------------------------------------------- the reference
 
 
-def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None, skip: frozenset[Any] = frozenset()) -> Any:
+def reference_move(
+    obj: Any,
+    device: Any,
+    dtype: torch.dtype | None = None,
+    skip: frozenset[Any] = frozenset(),
+    leaf: Callable[[torch.Tensor], Any] | None = None,
+) -> Any:
     """What move() must give, written as plainly as possible (no speed, no aliasing tricks). A mapping's items under
-    the keys in ``skip`` stay as they are; a packed batch is its unpacked structure, moved."""
+    the keys in ``skip`` stay as they are; a packed batch is its unpacked structure, moved. With ``leaf``, each tensor
+    (each once) becomes what ``leaf`` makes of it instead: the structure rebuilt around other tensors."""
     memo: dict[int, tuple[Any, Any]] = {}  # each source kept alive, so that its id stays its own
 
     def go(x: Any) -> Any:
@@ -174,6 +182,8 @@ def reference_move(obj: Any, device: Any, dtype: torch.dtype | None = None, skip
         return {k: v if k in skip else go(v) for k, v in x.items()}
 
     def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and leaf is not None:
+            return leaf(x)
         if isinstance(x, torch.Tensor):
             cast = dtype if dtype is not None and (x.is_floating_point() or x.is_complex()) else None
             return x.to(device, cast)

@@ -7,6 +7,7 @@ from todevice._inspect import Finding, audit, check, devices, guard
 from todevice._move import move
 from todevice._options import COALESCE_MAX_BYTES
 from todevice._pack import PackedBatch, pack
+from todevice._static import StaticBatch, static
 from todevice._tree import register, unregister
 from todevice.errors import DeviceMismatchError
 
@@ -32,6 +33,9 @@ __all__ = [  # noqa: RUF022 (grouped by capability, as the style guide asks)
     # packing
     "PackedBatch",
     "pack",
+    # static buffers
+    "StaticBatch",
+    "static",
     # containers
     "register",
     "unregister",

@@ -55,25 +55,48 @@ def into(
         raise TypeError(msg)
     if strict:
         _passed.refuse_unknown(batch, skip)
+    sources, targets = paired(batch, out, skip)
+    copy(sources, targets, out, dev, non_blocking, dtype, coalesce, max_bytes)
+    return out
+
+
+def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors of ``batch`` and the tensors at their paths in ``out``, in walk order.
+
+    Raises:
+        ValueError: the structures differ; the message names the first path where they do.
+    """
     flat = _flat_pairs(batch, out) if not skip else None
     if flat is not None:
-        sources, targets = flat
-    else:
-        found = pairs(batch, out, skip)
-        sources, targets = found[0::2], found[1::2]
+        return flat
+    found = pairs(batch, out, skip)
+    return found[0::2], found[1::2]
+
+
+def copy(
+    sources: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    out: Any,
+    dev: torch.device | None,
+    non_blocking: bool,
+    dtype: torch.dtype | None,
+    coalesce: bool | None,
+    max_bytes: int,
+) -> None:
+    """Each source into its target, every pair checked first (ValueError naming the path in ``out``), as if every
+    source were read before anything is written."""
     if not sources:  # no tensor to copy: out as it is
-        return out
+        return
     one = _one_buffer(sources, targets, dev, max_bytes) if dtype is None and coalesce is not False else None
     if one is not None:  # the common step, in few reads
         sources = _read_first_in(sources, one[1])
         with torch.no_grad():
             _together(sources, targets, one[0], non_blocking, one[1])
-        return out
+        return
     read = _check_pairs(sources, targets, out, dev, dtype)
     sources = _read_first(sources, targets, read, out)
     with torch.no_grad():
         _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
-    return out
 
 
 # ---------------------------------------------------------------- memory shared between the two sides
@@ -124,10 +147,9 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isin(mine, theirs).any())
 
 
-def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
-    """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
-    read before anything is written (a swap, a rolling buffer); ValueError, naming both paths, where two targets
-    share memory, since one would be written over the other."""
+def apart(targets: list[torch.Tensor], out: Any) -> list[tuple[int, int, int]]:
+    """The targets' ``_spans``; ValueError, naming both paths, where two targets share memory, since one would be
+    written over the other."""
     spans = _spans(targets)
     active: list[tuple[int, int]] = []  # (end, index) of the targets whose range reaches the next start
     for start, end, i in spans:
@@ -141,6 +163,14 @@ def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: 
                 )
                 raise ValueError(msg)
         active.append((end, i))
+    return spans
+
+
+def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
+    """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
+    read before anything is written (a swap, a rolling buffer); ValueError where two targets share memory
+    (``apart``)."""
+    spans = apart(targets, out)
     if not spans or (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
         return sources
     starts = [start for start, _, _ in spans]
@@ -426,8 +456,8 @@ def _fault(
         expected = _options.cast_to(src.dtype, dtype)
         if not _tree.has_memory(src):  # before the shape, which a strided nested tensor has not
             why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
-        elif not _tree.has_memory(dst):
-            why = f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is not a dense tensor."
+        elif (fault := _target_fault(dst)) is not None:
+            why = fault
         elif dst.shape != src.shape:
             why = f"out's tensor has shape {tuple(dst.shape)} and the batch's {tuple(src.shape)}."
         elif dst.dtype != expected:
@@ -439,17 +469,36 @@ def _fault(
             why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
         elif src.requires_grad and torch.is_grad_enabled():
             why = "the batch's tensor requires grad, and autograd does not record a copy into out=: pass it detached."
-        elif not _writable([dst]):
-            why = (
-                f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is sparse, an expanded "
-                f"view whose elements share memory, or an inference tensor outside torch.inference_mode()."
-            )
         elif seen.setdefault(id(dst), src) is not src:
             why = "out holds this very tensor at two places where the batch holds two different tensors."
         if why is not None:
             path = _walk.format_path(_walk.find_path(out, dst) or "")
             msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
             raise ValueError(msg)
+
+
+def _target_fault(dst: torch.Tensor) -> str | None:
+    """Why ``copy_`` cannot write ``dst`` here, or None."""
+    if not _tree.has_memory(dst):
+        return f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is not a dense tensor."
+    if not _writable([dst]):
+        return (
+            f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is sparse, an expanded "
+            f"view whose elements share memory, or an inference tensor outside torch.inference_mode()."
+        )
+    return None
+
+
+def check_targets(targets: list[torch.Tensor], out: Any) -> None:
+    """What out= checks of its targets alone, each named by its path in ``out`` in a ValueError: each can be written
+    in place here, and no two share memory."""
+    for dst in targets:
+        why = _target_fault(dst)
+        if why is not None:
+            path = _walk.format_path(_walk.find_path(out, dst) or "")
+            msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
+            raise ValueError(msg)
+    apart(targets, out)
 
 
 def _write_pairs(

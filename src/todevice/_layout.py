@@ -186,11 +186,17 @@ def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tu
     return out
 
 
-def write(buffer: torch.Tensor, lay: Layout, walked: Sequence[torch.Tensor]) -> None:
-    """Copy ``walked`` (tensors in walk order) into ``buffer``: one or two C++ calls per group."""
+def write(
+    buffer: torch.Tensor,
+    lay: Layout,
+    walked: Sequence[torch.Tensor],
+    regions: list[tuple[Block | Ragged, torch.Tensor]] | None = None,
+) -> None:
+    """Copy ``walked`` (tensors in walk order) into ``buffer``, whose ``_regions`` may be given: one or two C++ calls
+    per group."""
     tensors = walked if lay.in_order else pick(walked, lay.walk_order)
     k = 0
-    for g, region in _regions(buffer, lay):
+    for g, region in _regions(buffer, lay) if regions is None else regions:
         if type(g) is Ragged:
             group = list(tensors[k : k + len(g.shapes)])
             k += len(group)

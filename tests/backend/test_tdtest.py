@@ -956,6 +956,28 @@ def test_into_one_device_buffer_in_one_copy(one_buffer: None, pinned_stand_in: l
         helpers.assert_same_tree({**back, "name": b["name"]}, b, values=True, same=False)
 
 
+def test_a_static_batch_feeds_one_device_buffer_in_one_copy(
+    one_buffer: None, pinned_stand_in: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_into, "copy", None)  # every step is the one-buffer step: out='s general copy is not called
+    small = {k: v for k, v in step(0).items() if k != "big"}
+    with torch.inference_mode():
+        feed = todevice.static(small, "tdtest")  # views of one device buffer, the example's values in them
+        back = todevice.move(feed.static, "cpu", non_blocking=False)
+    helpers.assert_same_tree(back, small, values=True, same=False)
+    assert repr(feed) == "StaticBatch(102 tensors in one buffer)"
+    for seed in (1, 2):
+        b = {k: v for k, v in step(seed).items() if k != "big"}
+        del tdtest.NON_BLOCKING[:]
+        with torch.inference_mode():  # the targets are inference tensors
+            got, copies, _ = counted(lambda b=b: feed(b))
+        assert got is feed.static and copies["h2d"] == 1 and copies["d2h"] == 0
+        assert all(nb for kind, nb in tdtest.NON_BLOCKING)  # from page-locked staging, asynchronous
+        with torch.inference_mode():
+            back = todevice.move(feed.static, "cpu", non_blocking=False)
+        helpers.assert_same_tree({**back, "name": b["name"]}, b, values=True, same=False)
+
+
 def test_into_separate_device_tensors_a_copy_each() -> None:
     with torch.inference_mode():
         static = todevice.move(step(0), "tdtest")  # seen as separate tensors: no span on tdtest
