@@ -72,3 +72,11 @@ def test_hf_trainer(tmp_path: Path) -> None:
     _needs("transformers")
     out = _run([str(EXAMPLES / "hf_trainer.py")], tmp_path)
     assert re.search(rf"^4 steps on {DEVICE_TYPE}\b", out, re.MULTILINE), out
+
+
+def test_cuda_graph_trains_on_a_gpu_or_says_why_not(tmp_path: Path) -> None:
+    out = _run([str(EXAMPLES / "cuda_graph.py"), "20"], tmp_path)
+    if DEVICE_TYPE == "cuda":
+        assert re.search(r"^20 steps on cuda: the StaticBatch's host time is \S+x less$", out, re.MULTILINE), out
+    else:
+        assert out == "No CUDA GPU on this machine: a CUDA graph needs one, so nothing was run.\n"

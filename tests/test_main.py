@@ -469,22 +469,28 @@ def test_the_verdicts_are_computed_from_the_rows() -> None:
             ("pack(batch).unpack()", 1400.0, 1.4),
             ("per-leaf .to('meta')", 1000.0, 1.0),
             ("move(batch, 'meta', coalesce=True)", 1600.0, 1.6),
-            ("move(batch, out=static)", 180.0, 2.84),
-            ("per-tensor copy_() into meta", 63.0, 1.0),
+            ("todevice.StaticBatch: feed(batch)", 50.0, 0.4),
+            ("move(batch, out=static)", 240.0, 2.0),
+            ("per-tensor copy_()", 120.0, 1.0),
         ]
     ]
     assert _bench.transfer_verdict(host) == (
         "Target: pack(batch).unpack() and move(batch, 'meta', coalesce=True) at most 1.5x per-leaf .to('meta'): "
-        "not met (pack(batch).unpack(): 1.40x; move(batch, 'meta', coalesce=True): 1.60x); move(batch, out=static) "
-        "took 180 us against 63 us for per-tensor copy_() into meta (2.84x), which has no target on the host."
+        "not met (pack(batch).unpack(): 1.40x; move(batch, 'meta', coalesce=True): 1.60x).\n"
+        "Target: a StaticBatch step at least 4x less host time than a copy_() per tensor and 2x less than "
+        "move(batch, out=static), into static CPU buffers: not met (2.50x and 5.00x less; 50, 240 and 120 us)."
     )
     assert _bench.transfer_answer(host) == (
         "On this machine's host, packing the small tensors into one buffer (coalesce=True) takes 1.60x (1.60x to "
-        "1.60x) the time of a .to('meta') per tensor (pack().unpack(): 1.40x (1.40x to 1.40x)), and move(batch, "
-        "out=static) 2.84x (2.84x to 2.84x) a copy_() per tensor (180 against 63 us). A copy to 'meta' moves "
-        "no data, so these figures are the host's bookkeeping alone; on a GPU, where each copy costs a launch, the "
-        "one buffer crosses in one copy instead of one per tensor: python -m "
-        "todevice bench --device cuda measures that."
+        "1.60x) the time of a .to('meta') per tensor (pack().unpack(): 1.40x (1.40x to 1.40x)). A copy to 'meta' "
+        "moves no data, so these figures are the host's bookkeeping alone; on a GPU, where each copy costs a launch, "
+        "the one buffer crosses in one copy instead of one per tensor: python -m todevice bench --device cuda "
+        "measures that. Into static CPU buffers, a StaticBatch step takes 0.40x (0.40x to 0.40x) the time of a "
+        "copy_() per tensor and move(batch, out=static) 2.00x (2.00x to 2.00x) (50, 240 and 120 us)."
+    )
+    host[3]["x_per_leaf_to"] = 0.24
+    assert _bench.transfer_verdict(host).endswith(
+        "into static CPU buffers: met (4.17x and 8.33x less; 50, 240 and 120 us)."
     )
     guard = [
         {"contender": name, "median_us": us, "overhead_us": us - 80.0, "overhead_us_per_hook": (us - 80.0) / 8}
