@@ -104,15 +104,34 @@ def test_into_one_host_buffer_laid_out_as_coalescing_lays_it_out(coalesce: bool)
     assert bool((host[~written] == 0xAB).all())
 
 
-def test_one_copy_when_the_targets_are_one_device_buffer() -> None:
-    static = todevice.move(batch(0), "meta", coalesce=True)
+def test_one_copy_when_the_targets_are_one_device_buffer_without_padding() -> None:
+    tight = {"x": [torch.randn(4) for _ in range(50)], "ids": torch.arange(8), "big": torch.randn(40_000)}
+    static = todevice.move(tight, "meta", coalesce=True)
+    with Copies("meta") as copies:
+        todevice.move(tight, out=static)
+    # The small tensors in one copy of the staging buffer (16 and 64 bytes each: no padding); the large one alone.
+    assert sorted(copies.seen) == [("aten.copy_.default", 1), ("aten.copy_.default", 1)]
+
+
+def test_a_copy_per_group_where_the_padding_between_the_targets_may_be_another_tensor_s() -> None:
+    static = todevice.move(batch(0), "meta", coalesce=True)  # float32[3] and others: padded to 16 bytes each
+    small = [t for t in leaves(static) if t.nbytes <= todevice.COALESCE_MAX_BYTES]
+    groups = _layout.layout_for(small, None).groups
     with Copies("meta") as copies:
         todevice.move(batch(1), out=static)
-    # The small tensors in one copy of the staging buffer; the large one alone.
-    assert sorted(copies.seen) == [("aten.copy_.default", 1), ("aten.copy_.default", 1)]
-    with Copies("meta") as copies:  # part of that buffer: one copy would write the padding beside other tensors
+    blocks = [("aten.copy_.default", 1)] * sum(type(g) is _layout.Block for g in groups)
+    ragged = [("aten._foreach_copy_.default", len(g.shapes)) for g in groups if type(g) is _layout.Ragged]
+    assert sorted(copies.seen) == sorted([*blocks, *ragged, ("aten.copy_.default", 1)])  # and the large one alone
+    with Copies("meta") as copies:  # part of that buffer: one block of it
         todevice.move({"x": batch(1)["x"]}, out={"x": static["x"]})
-    assert copies.seen == [("aten._foreach_copy_.default", 100)]
+    assert copies.seen == [("aten.copy_.default", 1)]
+
+
+def test_the_columns_beside_targets_that_are_part_of_a_larger_tensor_are_never_written() -> None:
+    big = torch.arange(8.0).view(2, 4)
+    static = {"a": big[0, :3], "b": big[1, :3]}  # laid out as coalescing lays them out, 4 bytes of padding each
+    todevice.move({"a": torch.zeros(3), "b": torch.ones(3)}, out=static)
+    assert big.tolist() == [[0.0, 0.0, 0.0, 3.0], [1.0, 1.0, 1.0, 7.0]]
 
 
 def test_a_copy_each_when_the_targets_are_not_one_buffer() -> None:
@@ -410,7 +429,7 @@ def flat_inputs(seed: int) -> dict[str, torch.Tensor]:
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which of out='s checks run, in order: "one buffer" (the few reads of the common step) and "full"."""
     ran: list[str] = []
-    for name, label in (("_one_buffer", "one buffer"), ("_check_pairs", "full")):
+    for name, label in (("step_for", "one buffer"), ("_check_pairs", "full")):
         real = getattr(_into, name)
         monkeypatch.setattr(_into, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
     return ran
@@ -425,17 +444,18 @@ def test_every_step_checks_every_pair_whatever_ran_before(checks: list[str]) -> 
     assert checks == ["one buffer"] * 5  # nothing is remembered of the targets: each step reads every pair
 
 
-def test_part_of_a_buffer_is_copied_tensor_by_tensor_even_right_after_the_whole_of_it() -> None:
-    """One copy of a span writes the padding between its tensors: only where the targets are all the storage holds,
-    checked on each step, so a step into part of the buffer right after one into all of it copies each alone."""
-    static = todevice.move(batch(0), "meta", coalesce=True)
+def test_a_step_into_part_of_a_buffer_right_after_one_into_all_of_it_writes_that_part_alone() -> None:
+    """Nothing is kept between steps, and a copy writes the targets' bytes, never the padding between them."""
+    example = {f"x{i}": torch.randn(3) for i in range(20)}  # 12 bytes each, padded to 16
+    static = helpers.one_buffer(example)
     for _ in range(2):
-        with Copies("meta") as copies:
-            todevice.move(batch(1), out=static)
-        assert sorted(copies.seen) == [("aten.copy_.default", 1), ("aten.copy_.default", 1)]
-        with Copies("meta") as copies:
-            todevice.move({"x": batch(1)["x"]}, out={"x": static["x"]})
-        assert copies.seen == [("aten._foreach_copy_.default", 100)]
+        b = {k: torch.randn(3) for k in example}
+        todevice.move(b, out=static)
+        assert all(torch.equal(static[k], b[k]) for k in b)
+        kept = {k: v.clone() for k, v in static.items()}
+        part = {k: torch.randn(3) for k in list(example)[5:10]}
+        todevice.move(part, out={k: static[k] for k in part})
+        assert all(torch.equal(static[k], part[k] if k in part else kept[k]) for k in static)
 
 
 def test_a_changed_target_is_found_on_the_next_step() -> None:

@@ -320,7 +320,7 @@ def test_no_state_is_kept_but_the_handle_s_a_step_costs_the_same_whatever_ran_be
     bad["x1"] = torch.randn(16, requires_grad=True)
     with pytest.raises(ValueError):
         feed(bad)  # the held staging buffer was part of a graph: replaced
-    assert not any(region.requires_grad for _, region in feed._staging[2])
+    assert not any(region.requires_grad for _, region in feed._held[2])
     good = batch(3)
     with helpers.Copies() as seen:
         feed(good)
@@ -334,3 +334,59 @@ def test_a_deep_copy_of_the_handle_feeds_its_own_buffers() -> None:
     twin(b)
     assert all(torch.equal(twin.static[k], b[k]) for k in b)
     assert not all(torch.equal(feed.static[k], b[k]) for k in b)
+
+
+# ---------------------------------------------------------------- what a step writes, and what it leaves
+
+
+def test_the_bytes_between_targets_that_are_part_of_a_larger_tensor_are_never_written() -> None:
+    big = torch.arange(8.0).view(2, 4)
+    feed = todevice.StaticBatch({"a": big[0, :3], "b": big[1, :3]})  # laid out as coalescing lays them out
+    assert repr(feed) == "StaticBatch(2 tensors in one buffer)"
+    feed({"a": torch.zeros(3), "b": torch.ones(3)})
+    assert big.tolist() == [[0.0, 0.0, 0.0, 3.0], [1.0, 1.0, 1.0, 7.0]]
+
+
+def test_static_s_own_buffer_is_sent_in_one_copy_padding_and_all() -> None:
+    example = {"x": [torch.randn(3) for _ in range(20)], "odd": torch.randn(5), "ids": torch.arange(3)}  # padded
+    feed = todevice.static(example, "meta")
+    with helpers.Copies() as seen:
+        feed(example)
+    into_buffer = [c for c in seen.log if c[1] == "meta"]  # not the staging write's own copies
+    assert into_buffer == [("cpu", "meta", feed._step.lay.nbytes)]
+    mine = todevice.StaticBatch(todevice.move(example, "meta", coalesce=True))  # a buffer it did not make
+    with helpers.Copies() as seen:
+        mine(example)
+    # A copy per group, none over the padding: the block of 20 float32[3] in a copy_(), the tensors of a shape of
+    # their own in a _foreach_copy_() per dtype, which this log leaves out.
+    assert [c for c in seen.log if c[1] == "meta"] == [("cpu", "meta", 60)]
+
+
+def test_keys_renamed_or_swapped_behind_the_handle_are_read_as_they_are_now() -> None:
+    feed = todevice.static({"a": torch.zeros(2), "b": torch.zeros(2)}, "cpu")
+    ta, tb = feed.static["a"], feed.static["b"]
+    feed.static.clear()
+    feed.static.update(b=ta, a=tb)  # the same tensors in the same order, under each other's key
+    feed({"a": torch.ones(2), "b": torch.full((2,), 2.0)})
+    assert tb.eq(1).all() and ta.eq(2).all()
+    feed.static["x"] = feed.static.pop("a")
+    with pytest.raises(ValueError, match=r"the keys differ: the batch has \['a'\] that out has not"):
+        feed({"a": torch.ones(2), "b": torch.ones(2)})
+
+
+def test_a_change_to_a_tensor_s_strides_is_not_seen_and_the_step_writes_the_bytes_it_found() -> None:
+    feed = todevice.static({"x": torch.zeros(2, 3), "y": torch.zeros(4)}, "cpu")
+    feed.static["x"].t_()  # documented: not seen; the buffer's bytes are written as before, inside the buffer
+    x = torch.arange(6.0).view(2, 3)
+    feed({"x": x, "y": torch.ones(4)})
+    assert feed.static["x"].t().tolist() == x.tolist() and feed.static["y"].eq(1).all()
+
+
+def test_a_nested_tensor_where_a_shape_is_read_gets_out_s_error() -> None:
+    feed = todevice.static({"x": torch.zeros(2, 3), "odd": torch.zeros(5)}, "cpu")
+    nested = torch.nested.nested_tensor([torch.ones(5)])
+    expected = r"at \['odd'\], the batch holds a Tensor .*nested.*which out= does not copy"
+    with pytest.raises(ValueError, match=expected):
+        feed({"x": torch.ones(2, 3), "odd": nested})
+    with pytest.raises(ValueError, match=expected):
+        todevice.move({"x": torch.ones(2, 3), "odd": nested}, out=copy.deepcopy(feed.static))

@@ -73,6 +73,14 @@ class Layout(NamedTuple):
     in_order: bool = False  # the buffer holds the tensors in walk order: nothing to reorder
 
 
+def tight(lay: Layout) -> bool:
+    """Whether ``lay`` leaves no padding between its tensors: their bytes fill the buffer."""
+    return all(
+        g.padded == g.shape.numel() if type(g) is Block else not any(g.pads)  # type: ignore[union-attr]
+        for g in lay.groups
+    )
+
+
 def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
     """(dtype in the buffer, dtype handed back): a cast happens on the side that sends fewer bytes."""
     final = _options.cast_to(dtype, cast)

@@ -10,29 +10,11 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from todevice import _into, _layout, _move, _options, _pack, _passed, _stream, _tree
-
-_Tensor = torch.Tensor
-_dtype, _shape, _grad = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("requires_grad")
-
-
-class _Step(NamedTuple):
-    """What a step into targets that are views of one buffer, laid out as coalescing lays them out, needs."""
-
-    lay: _layout.Layout
-    span: torch.Tensor  # the targets' bytes: one copy writes them all
-    storage: torch.UntypedStorage  # the buffer's, and where it was and how large when the handle was built:
-    where: tuple[int, int]  # a resize_() or set_() behind the handle's back moves or shrinks it
-    dtypes: list[torch.dtype]  # the targets', which the sources must have
-    probe: tuple[int, ...]  # the sources whose shapes a step reads: the first of each block, each of a ragged group,
-    # whose requires_grad it reads too
-    shapes: list[torch.Size]  # theirs, as the targets have them
-    inference: bool  # the targets are inference tensors, written inside torch.inference_mode() only
-    grad: bool  # a target requires grad
+from todevice import _into, _layout, _move, _options, _pack, _passed, _stream
 
 
 class StaticBatch:
@@ -48,14 +30,17 @@ class StaticBatch:
     A step is one staging write and one copy where the targets are views of one buffer laid out as
     coalescing lays it out, as :func:`todevice.static` allocates them, the batch's tensors are on the
     host with the targets' dtypes, and ``dtype`` is None. Such a step reads each source's type and
-    dtype and a few shapes, and leaves every other check to the copies into the staging buffer, which
+    dtype and a few shapes, and leaves every other check to the writes into the staging buffer, which
     refuse a wrong shape, device or layout, or a tensor requiring grad, before a target is written.
     Anything else is copied as ``move(batch, out=static)`` copies it.
 
-    The handle keeps the tensors of ``static`` it was built on. A step raises ValueError where
-    ``static`` now holds another tensor at one of their paths, or where their buffer's memory was
-    moved or shrunk (``resize_()``, ``set_()`` or ``untyped_storage().resize_()`` on one of them), so
-    that it never writes memory the tensors no longer own: build a new handle after changing them.
+    The handle keeps the tensors of ``static`` it was built on, and their keys. A step raises
+    ValueError where ``static`` now holds other tensors or keys, or where their buffer's memory was
+    moved or shrunk (a ``resize_()`` that grows it, ``untyped_storage().resize_()``): it never writes
+    memory the tensors no longer own. A change to a tensor's shape, strides or place in its storage
+    (``t_()``, ``resize_()`` within the storage, ``as_strided_()``, ``set_()``) is not seen: the
+    step keeps writing the bytes the handle found, inside the buffer. Build a new handle after
+    changing them.
 
     Example:
         >>> import torch, todevice
@@ -90,18 +75,25 @@ class StaticBatch:
         skip_keys: Any = None,
         strict: bool = False,
     ) -> None:
+        self._build(static, non_blocking, dtype, skip_keys, strict, owned=False)
+
+    def _build(self, static: Any, non_blocking: bool, dtype: Any, skip_keys: Any, strict: bool, owned: bool) -> None:
+        """``owned``: ``static``'s tensors are views of a buffer made for them alone, by :func:`static`."""
         _options.check_bool(non_blocking, "non_blocking")
         _options.check_bool(strict, "strict")
         if dtype is not None:
             _options.check_dtype(dtype)
         self.static = static
         self._skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-        self._options = (non_blocking, dtype, strict)
+        self._options = (non_blocking, dtype, strict, owned)
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
         self._targets = _into.paired(static, static, self._skip)[1]
         _into.check_targets(self._targets, static)
-        self._step = _step(self._targets) if dtype is None else None
-        self._staging = self._held()
+        step = _into.step_for(self._targets, _options.COALESCE_MAX_BYTES, owned) if dtype is None else None
+        self._step = step
+        storage = None if step is None else step.span.untyped_storage()  # where the buffer is, and how large
+        self._storage = None if storage is None else (storage, storage.data_ptr(), storage.nbytes())
+        self._held = self._staging()
 
     def __call__(self, batch: Any, /) -> Any:
         """Copy ``batch``'s tensors into the static buffers; return ``static``, the very object.
@@ -110,13 +102,14 @@ class StaticBatch:
             ValueError: as ``move(batch, out=static)`` raises, naming the path, with nothing written;
                 or the static tensors were changed behind the handle.
         """
-        non_blocking, dtype, strict = self._options
+        non_blocking, dtype, strict, _ = self._options
         if strict:
             _passed.refuse_unknown(batch, self._skip)
         step = self._step
         if step is not None:
-            if step.storage.data_ptr() != step.where[0] or step.storage.nbytes() != step.where[1]:
-                self._changed("their buffer's memory was moved or shrunk (resize_(), set_())")
+            storage, where, size = self._storage  # type: ignore[misc]
+            if storage.data_ptr() != where or storage.nbytes() != size:
+                self._changed("their buffer's memory was moved or shrunk (resize_())")
             sources = self._sources(batch)
             if sources is not None and self._same(self.static.values()) and self._fed(step, sources):
                 return self.static
@@ -135,7 +128,7 @@ class StaticBatch:
     def _sources(self, batch: Any) -> list[Any] | None:
         """A dict's values read by the static dict's keys, in one C loop; None for the general pairing."""
         keys = self._keys
-        if keys is None or type(batch) is not dict or len(batch) != len(keys):
+        if keys is None or type(batch) is not dict or len(batch) != len(keys) or list(self.static) != keys:
             return None
         if list(batch) == keys:
             return list(batch.values())
@@ -144,42 +137,14 @@ class StaticBatch:
         except (KeyError, TypeError):  # a key the batch has not: the general pairing names it
             return None
 
-    def _fed(self, step: _Step, sources: list[torch.Tensor]) -> bool:
-        """The one-buffer step: False, with no target written, where the general copy is to check and copy."""
-        if set(map(type, sources)) != {_Tensor} or list(map(_dtype, sources)) != step.dtypes:
-            return False
-        probed = _layout.pick(sources, step.probe)
-        if (
-            list(map(_shape, probed)) != step.shapes
-            or (torch.is_grad_enabled() and any(map(_grad, probed)))
-            or _tree.transforming()  # inside torch.func.vmap or grad: wrappers with no memory of their own
-            or (step.inference and not torch.is_inference_mode_enabled())
-        ):
-            return False
-        if self._staging is not None:
-            staging, pinned, regions = self._staging
-        else:
-            staging, pinned = _layout.staging(step.lay.nbytes, step.span.device, pinned=self._options[0])
-            regions = _layout._regions(staging, step.lay)
-        try:
-            # Written with grad mode as it is: a block's stack(out=) refuses a source requiring grad, and its copy of
-            # one marks the block's region, read once here instead of requires_grad of every source. A tensor of a
-            # shape of its own was read above: an empty one copied by _foreach_copy_ marks nothing.
-            _layout.write(staging, step.lay, sources, regions)
-            refused = any(region.requires_grad for _, region in regions)
-        except Exception:  # a wrong shape, device or layout, refused before a target is written: the general check
-            refused = True
-        if refused:
-            self._staging = self._held()  # the held regions may be part of a graph now
-            return False
-        if step.grad:  # a target that requires grad: copied into as out= copies, with autograd off
-            with torch.no_grad():
-                step.span.copy_(staging, non_blocking=pinned)
-        else:  # nothing for autograd to record: torch.no_grad() alone costs 3.7 us on a 2-core x86 host
-            step.span.copy_(staging, non_blocking=pinned)
-        return True
+    def _fed(self, step: _into.Step, sources: list[torch.Tensor]) -> bool:
+        """The one-buffer step, with the staging buffer the handle holds for host targets."""
+        if _into.fed(step, sources, self._options[0], self._held):
+            return True
+        self._held = self._staging()  # its regions may be part of a graph now
+        return False
 
-    def _held(self) -> tuple[torch.Tensor, bool, list[Any]] | None:
+    def _staging(self) -> tuple[torch.Tensor, bool, list[Any]] | None:
         """The staging buffer a step into host memory writes, held with its regions: that copy ends before the step
         returns. Into an accelerator, each step takes one from the caching host allocator, which hands it out
         again only once the copy from it has finished."""
@@ -198,51 +163,14 @@ class StaticBatch:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StaticBatch:
         """A handle on a deep copy of ``static``: its own buffers, checked as any new handle's are."""
-        non_blocking, dtype, strict = self._options
-        return StaticBatch(
-            copy.deepcopy(self.static, memo),
-            non_blocking=non_blocking,
-            dtype=dtype,
-            skip_keys=self._skip or None,
-            strict=strict,
-        )
+        non_blocking, dtype, strict, owned = self._options
+        twin = object.__new__(StaticBatch)
+        twin._build(copy.deepcopy(self.static, memo), non_blocking, dtype, self._skip or None, strict, owned)
+        return twin
 
     def __repr__(self) -> str:
         one = " in one buffer" if self._step is not None else ""
         return f"StaticBatch({len(self._targets)} tensors{one})"
-
-
-def _step(targets: list[torch.Tensor]) -> _Step | None:
-    """The one-buffer step for ``targets``, or None where they are not views of one buffer laid out as coalescing lays
-    them out (or are lazily conjugated or negated, which one copy of bytes would not resolve)."""
-    if not targets or set(map(type, targets)) != {_Tensor}:
-        return None
-    dtypes, shapes = list(map(_dtype, targets)), list(map(_shape, targets))
-    try:
-        lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
-    except TypeError:  # a dtype a byte buffer does not hold
-        return None
-    span = _into._one_span(targets, lay, True)
-    if span is None:
-        return None
-    probe: list[int] = []  # stack() checks that a block's tensors have one shape; a ragged group's are copied each
-    k = 0
-    for g in lay.groups:
-        n, read = (g.n, 1) if isinstance(g, _layout.Block) else (len(g.shapes), len(g.shapes))
-        probe.extend(lay.walk_order[k : k + read])
-        k += n
-    storage = span.untyped_storage()
-    return _Step(
-        lay,
-        span,
-        storage,
-        (storage.data_ptr(), storage.nbytes()),
-        dtypes,
-        tuple(probe),
-        _layout.pick(shapes, probe),
-        targets[0].is_inference(),
-        any(t.requires_grad for t in targets),
-    )
 
 
 def static(
@@ -294,6 +222,6 @@ def static(
         )
         raise ValueError(msg)
     from_host.requires_grad = ()  # buffers a graph reads, not parameters
-    return StaticBatch(
-        from_host.unpack(dev), non_blocking=non_blocking, dtype=dtype, skip_keys=skip_keys, strict=strict
-    )
+    feed = object.__new__(StaticBatch)
+    feed._build(from_host.unpack(dev), non_blocking, dtype, skip_keys, strict, owned=True)
+    return feed
