@@ -28,8 +28,9 @@ class StaticBatch:
     (each dense and writable, no two sharing memory) is checked once, here.
 
     A step is one staging write and one copy where the targets are views of one buffer laid out as
-    coalescing lays it out, as :func:`todevice.static` allocates them, the batch's tensors are on the
-    host with the targets' dtypes, and ``dtype`` is None. Such a step reads each source's type and
+    coalescing lays it out, as :func:`todevice.static` allocates them (into a buffer it did not make,
+    one copy per group of one shape and dtype, never over the padding between them), the batch's
+    tensors are on the host with the targets' dtypes, and ``dtype`` is None. Such a step reads each source's type and
     dtype and a few shapes, and leaves every other check to the writes into the staging buffer, which
     refuse a wrong shape, device or layout, or a tensor requiring grad, before a target is written.
     Anything else is copied as ``move(batch, out=static)`` copies it.

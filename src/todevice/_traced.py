@@ -28,13 +28,14 @@ Where the result differs from the eager move, and why:
   traced with.
 - Dynamo (2.13) takes a deque in without its ``maxlen``: the copy has none.
 - Dynamo before 2.12 cannot list an object's attributes (see ``LISTS_ATTRIBUTES``): a dataclass
-  without ``__post_init__`` is rebuilt from its fields alone, and what needs the list (a dataclass
-  with ``__post_init__``, the shallow copy of a ``.to()`` object) breaks the graph with a message.
+  without ``__post_init__`` or a descriptor field is rebuilt from its fields alone, and what needs the
+  list (such a dataclass, the shallow copy of a ``.to()`` object) breaks the graph with a message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Collection, Hashable
 from typing import Any
 
@@ -307,7 +308,7 @@ def _structseq_made(tp: Any, children: list[Any]) -> Any:
 def _attributes(x: Any) -> tuple[list[Any], tuple[type, list[str]]]:
     """A dataclass's instance attributes, fields or not, as the eager rule lists them."""
     tp = type(x)
-    if LISTS_ATTRIBUTES or hasattr(tp, "__post_init__"):  # which may set more than its fields
+    if LISTS_ATTRIBUTES or _more_than_fields(tp):
         if not LISTS_ATTRIBUTES:  # the graph breaks: what follows runs as Python
             torch._dynamo.graph_break(msg=_too_old(tp, "lists the attributes of"))
         state = vars(x)
@@ -353,6 +354,17 @@ def _field_names(tp: type) -> tuple[str, ...]:
 
 
 _field_names._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _more_than_fields(tp: type) -> bool:
+    """Whether a dataclass's attributes may be other than its fields: a ``__post_init__`` may set more, and a field
+    that is a descriptor keeps its value under a name of its own choosing."""
+    return hasattr(tp, "__post_init__") or any(
+        hasattr(type(inspect.getattr_static(tp, name, None)), "__set__") for name in _field_names(tp)
+    )
+
+
+_more_than_fields._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _too_old(tp: type, what: str) -> str:
