@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
 from tests import helpers
-from todevice import _into, _layout
+from todevice import _into, _layout, _step
 
 
 def batch(seed: int, n: int = 100) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def test_into_one_host_buffer_laid_out_as_coalescing_lays_it_out(coalesce: bool)
     static = todevice.move(batch(0), "meta", coalesce=True)  # the layout of a coalesced move...
     small = [t for t in leaves(static) if t.nbytes <= todevice.COALESCE_MAX_BYTES]
     lay = _layout.layout(tuple(t.dtype for t in small), tuple(t.shape for t in small), None)
-    assert _into._span(small, lay) is not None  # ...which out= recognises
+    assert _step._span(small, lay) is not None  # ...which out= recognises
     host = torch.full((lay.nbytes,), 0xAB, dtype=torch.uint8)  # ...and the same layout in host memory
     views = _layout.read(host, lay)
     host_static = batch(0)
@@ -429,9 +429,9 @@ def flat_inputs(seed: int) -> dict[str, torch.Tensor]:
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which of out='s checks run, in order: "one buffer" (the few reads of the common step) and "full"."""
     ran: list[str] = []
-    for name, label in (("step_for", "one buffer"), ("_check_pairs", "full")):
-        real = getattr(_into, name)
-        monkeypatch.setattr(_into, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
+    for module, name, label in ((_step, "step_for", "one buffer"), (_into, "_check_pairs", "full")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
     return ran
 
 
@@ -713,3 +713,37 @@ def test_tensor_keys_pair_as_a_dict_finds_them() -> None:
     out = {"m": {key: torch.zeros(3)}}
     todevice.move({"m": {key: source}}, out=out)
     assert torch.equal(out["m"][key], source)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+@pytest.mark.parametrize("first", [True, False], ids=["first", "second"])
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "nested"])
+@pytest.mark.parametrize("max_bytes", [todevice.COALESCE_MAX_BYTES, 4])
+def test_a_target_that_is_not_dense_gets_out_s_error_wherever_it_is(first: bool, kind: str, max_bytes: int) -> None:
+    bad = helpers.exotic(kind)
+    out = {"a": bad, "x": torch.zeros(3)} if first else {"x": torch.zeros(3), "a": bad}
+    batch = {k: torch.ones(3) for k in out}
+    with pytest.raises(ValueError, match=r"at \['a'\], out's tensor \(Tensor .*cannot be written in place"):
+        todevice.move(batch, out=out, coalesce_max_bytes=max_bytes)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=["step", "cast"])
+def test_every_target_of_one_buffer_is_marked_written_for_autograd(dtype: Any) -> None:
+    """Tensors cut from one buffer each have a version counter of their own: a write through one view of the buffer
+    moves every target's, so a tensor saved for a backward pass fails it, as with a copy_() into each."""
+    static = todevice.static({"a": torch.zeros(3), "b": torch.ones(2)}, "cpu").static
+    w = torch.ones(2, requires_grad=True)
+    y = (w * static["b"]).sum()  # static["b"] saved for backward
+    source = torch.float64 if dtype is not None else torch.float32  # cast on the way in: the other path
+    todevice.move({"a": torch.full((3,), 7.0), "b": torch.full((2,), 5.0, dtype=source)}, out=static, dtype=dtype)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_an_inference_tensor_anywhere_among_the_targets_is_refused_outside_inference_mode() -> None:
+    buf = torch.zeros(8)
+    with torch.inference_mode():
+        b = torch.empty(0).set_(buf.untyped_storage(), 4, (2,), (1,))  # the second target, over the same buffer
+    with pytest.raises(ValueError, match=r"at \['b'\], out's tensor .*inference tensor outside torch.inference_mode"):
+        todevice.move({"a": torch.ones(3), "b": torch.ones(2)}, out={"a": buf[0:3], "b": b})
+    assert buf.eq(0).all()

@@ -390,3 +390,12 @@ def test_a_nested_tensor_where_a_shape_is_read_gets_out_s_error() -> None:
         feed({"x": torch.ones(2, 3), "odd": nested})
     with pytest.raises(ValueError, match=expected):
         todevice.move({"x": torch.ones(2, 3), "odd": nested}, out=copy.deepcopy(feed.static))
+
+
+def test_every_static_tensor_is_marked_written_for_autograd() -> None:
+    feed = todevice.static({"a": torch.zeros(3), "b": torch.ones(2)}, "cpu")
+    w = torch.ones(2, requires_grad=True)
+    y = (w * feed.static["b"]).sum()  # saved for backward; the step writes through a view of "a"'s first byte
+    feed({"a": torch.full((3,), 7.0), "b": torch.full((2,), 5.0)})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from todevice import _into, _layout, _move, _options, _pack, _passed, _stream
+from todevice import _into, _layout, _move, _options, _pack, _passed, _step, _stream
 
 
 class StaticBatch:
@@ -90,7 +90,7 @@ class StaticBatch:
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
         self._targets = _into.paired(static, static, self._skip)[1]
         _into.check_targets(self._targets, static)
-        step = _into.step_for(self._targets, _options.COALESCE_MAX_BYTES, owned) if dtype is None else None
+        step = _step.step_for(self._targets, _options.COALESCE_MAX_BYTES, owned) if dtype is None else None
         self._step = step
         storage = None if step is None else step.span.untyped_storage()  # where the buffer is, and how large
         self._storage = None if storage is None else (storage, storage.data_ptr(), storage.nbytes())
@@ -138,9 +138,9 @@ class StaticBatch:
         except (KeyError, TypeError):  # a key the batch has not: the general pairing names it
             return None
 
-    def _fed(self, step: _into.Step, sources: list[torch.Tensor]) -> bool:
+    def _fed(self, step: _step.Step, sources: list[torch.Tensor]) -> bool:
         """The one-buffer step, with the staging buffer the handle holds for host targets."""
-        if _into.fed(step, sources, self._options[0], self._held):
+        if _step.fed(step, sources, self._options[0], self._held):
             return True
         self._held = self._staging()  # its regions may be part of a graph now
         return False

@@ -1,0 +1,212 @@
+"""The one-buffer step: a batch's small host tensors into targets that are views of one buffer laid out as
+coalescing lays it out, in one staging write and one copy.
+
+``move(batch, out=static)`` finds on each call whether its targets are laid out so (``step_for``); a
+StaticBatch finds it once and keeps it. The step (``fed``) reads each source's type and dtype and the shape
+of a few, and leaves the rest to the writes into the staging buffer, which refuse a wrong shape, device or
+layout, or a tensor requiring grad, before a target is written; the caller then runs the full check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from typing import Any, NamedTuple
+
+import torch
+
+from todevice import _layout, _tree
+
+_Tensor = torch.Tensor
+_shape, _dtype, _nbytes = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("nbytes")
+_is_cpu, _grad = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
+_pick, _data_ptr = _layout.pick, _Tensor.data_ptr
+
+
+class Step(NamedTuple):
+    """A step into targets that are views of one buffer laid out as coalescing lays it out: what it reads of them.
+
+    That layout proves what the full check reads target by target: the targets are plain, contiguous, distinct,
+    apart from each other and on one device. ``move(batch, out=static)`` finds it on every call; a StaticBatch
+    holds it.
+    """
+
+    lay: _layout.Layout
+    span: torch.Tensor  # the targets' bytes
+    whole: bool  # one copy of the span may write them: no byte of it is another tensor's (else a copy per group)
+    dtypes: list[torch.dtype]  # the targets', which the sources must have
+    probe: tuple[int, ...]  # the sources a step reads the shape, device and requires_grad of: the first of each
+    shapes: list[torch.Size]  # block, each of a ragged group; their shapes, as the targets have them
+    inference: bool  # a target is an inference tensor, written inside torch.inference_mode() only
+    grad: bool  # a target requires grad
+    targets: list[torch.Tensor]  # each with a version counter of its own, which a write through the span does not move
+
+
+def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -> Step | None:
+    """The one-buffer step for ``targets``, or None where they are not views of one buffer laid out as coalescing lays
+    it out, are lazily conjugated or negated (which a copy of bytes would not resolve), or are over ``max_bytes``
+    each and in all (each then goes alone). ``owned``: the buffer was made for them alone (``todevice.static()``),
+    so its padding is no other tensor's."""
+    if set(map(type, targets)) != {_Tensor}:
+        return None
+    try:
+        dtypes, shapes = list(map(_dtype, targets)), list(map(_shape, targets))
+        lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
+        if lay.nbytes > max_bytes and max(map(_nbytes, targets)) > max_bytes:
+            return None
+        span = _one_span(targets, lay, True)
+    except (RuntimeError, TypeError, NotImplementedError):  # no shape or storage (nested, sparse); a dtype a byte
+        return None  # buffer does not hold: the full check names it
+    if span is None:
+        return None
+    probe: list[int] = []  # stack() checks that a block's tensors have one shape; a ragged group's are copied each
+    k = 0
+    for g in lay.groups:
+        n, read = (g.n, 1) if isinstance(g, _layout.Block) else (len(g.shapes), len(g.shapes))
+        probe.extend(lay.walk_order[k : k + read])
+        k += n
+    return Step(
+        lay,
+        span,
+        owned or _layout.tight(lay),
+        dtypes,
+        tuple(probe),
+        _pick(shapes, probe),
+        any(map(_Tensor.is_inference, targets)),
+        any(map(_grad, targets)),
+        targets,
+    )
+
+
+def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any = None) -> bool:
+    """The one-buffer step: each source's type and dtype read, and the shape, device and requires_grad of a few; the
+    sources written into one staging buffer (``held``: a host one and its regions, for host targets), then sent
+    into the targets. False, with no target written, where the full check is to run and name what differs.
+
+    Every source is read before a target is written, so sources over the targets copy as if read first.
+    """
+    if set(map(type, sources)) != {_Tensor} or list(map(_dtype, sources)) != step.dtypes:
+        return False
+    probed = _pick(sources, step.probe)
+    try:
+        if (
+            list(map(_shape, probed)) != step.shapes
+            or not all(map(_is_cpu, probed))
+            or (torch.is_grad_enabled() and any(map(_grad, probed)))
+            or _tree.transforming()  # inside torch.func.vmap or grad: wrappers with no memory of their own
+            or (step.inference and not torch.is_inference_mode_enabled())
+        ):
+            return False
+    except RuntimeError:  # a strided nested tensor has no shape
+        return False
+    if held is not None:
+        staging, pinned, regions = held
+    else:
+        staging, pinned = _layout.staging(step.lay.nbytes, step.span.device, pinned=non_blocking)
+        regions = _layout._regions(staging, step.lay)
+    try:
+        # Written with grad mode as it is: a block's stack(out=) refuses a source requiring grad, another device or
+        # layout, and its fallback's copy of one marks the block's region, read once here instead of every source's
+        # requires_grad. A tensor of a shape of its own was read above: an empty one _foreach_copy_ marks nothing.
+        _layout.write(staging, step.lay, sources, regions)
+        if any(region.requires_grad for _, region in regions):
+            return False
+    except Exception:  # refused before a target is written: the full check names it
+        return False
+    with torch.no_grad() if step.grad else contextlib.nullcontext():  # no_grad() alone: 3.7 us on a 2-core x86 host
+        send(step.span, staging, step.lay, step.whole, pinned, regions)
+    if not step.inference:
+        written(step.targets)
+    return True
+
+
+def written(targets: list[torch.Tensor]) -> None:
+    """Tell autograd that every target was written in place, as a copy_() into each would: a write through one view of
+    their buffer moves only that view's version counter, and tensors cut from one buffer (a coalesced move's, or
+    ``todevice.static()``'s) each have their own. A tensor saved for a backward pass then fails it, as it should,
+    rather than giving gradients of the new values. 80 ns a tensor on a 2-core x86 host."""
+    if _BUMPS_LISTS:
+        torch._C._increment_version(targets)
+    else:
+        for t in targets:
+            torch._C._increment_version(t)
+
+
+def _bumps_lists() -> bool:
+    try:  # torch 2.4 bumps one tensor a call
+        torch._C._increment_version([torch.empty(0)])
+    except TypeError:
+        return False
+    return True
+
+
+_BUMPS_LISTS = _bumps_lists()
+
+
+def send(
+    span: torch.Tensor, staging: torch.Tensor, lay: _layout.Layout, whole: bool, non_blocking: bool, regions: Any = None
+) -> None:
+    """The staging buffer into the targets' span: one copy where no byte of the span is another tensor's (``whole``),
+    else one per group of the layout, which writes each target's bytes and not the padding between them."""
+    if whole:
+        span.copy_(staging, non_blocking=non_blocking)
+        return
+    for (g, mine), (_, theirs) in zip(_layout._regions(span, lay), regions or _layout._regions(staging, lay)):
+        if isinstance(g, _layout.Ragged):
+            torch._foreach_copy_(_layout._cut(mine, g), _layout._cut(theirs, g), non_blocking=non_blocking)
+        else:
+            mine.copy_(theirs, non_blocking=non_blocking)
+
+
+def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) -> torch.Tensor | None:
+    """The one buffer the targets are views of, laid out as ``lay`` (``_span``), where a copy per group may write
+    them all; None with coalesce=False, or where a target is lazily conjugated or negated (each is copied as it is).
+    Only a complex target can be conjugated: the layout's dtypes, the targets', say whether any is."""
+    if not coalesce or any(map(_Tensor.is_neg, targets)):
+        return None
+    if any(g.final.is_complex for g in lay.groups) and any(map(_Tensor.is_conj, targets)):
+        return None
+    return _span(targets, lay)
+
+
+def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
+    """A byte view of the one buffer all ``targets`` are views of, where ``lay`` puts each, or None.
+
+    Every target must be a plain contiguous tensor at its layout offset from one base, inside the
+    first one's storage. The span holds each target's bytes and the alignment padding between them
+    (under ``_layout.ALIGN`` bytes each), which may be another tensor's: the targets may be columns of a
+    larger one. One copy of the whole span is made only where the layout has no padding (``_layout.tight``)
+    or the buffer was made for the targets alone (``todevice.static()``).
+    """
+    first = targets[0]
+    offsets = _offsets(lay)
+    base = first.storage_offset() * first.element_size() - offsets[0]
+    storage = first.untyped_storage()
+    if base < 0 or base + lay.nbytes > storage.nbytes():
+        return None
+    if set(map(type, targets)) != {_Tensor} or not all(map(_Tensor.is_contiguous, targets)):
+        return None
+    start = first.data_ptr() - offsets[0]
+    if start:  # where memory has addresses: each target at its offset from one start, in one storage's memory
+        if [p - start for p in map(_data_ptr, targets)] != list(offsets):
+            return None
+    else:  # meta tensors have none: the same storage, at the same offsets
+        key = storage._cdata
+        for t, offset in zip(targets, offsets):
+            if t.storage_offset() * t.element_size() - offset != base or t.untyped_storage()._cdata != key:
+                return None
+    return _bytes(first, lay.nbytes, base)
+
+
+def _bytes(t: torch.Tensor, nbytes: int, base: Any) -> torch.Tensor:
+    """``nbytes`` bytes of ``t``'s storage from byte ``base``, as one uint8 tensor."""
+    # Through an empty view of unit stride: a one-element tensor may have any stride, which view(uint8) refuses.
+    return t.as_strided((0,), (1,)).view(torch.uint8).as_strided((nbytes,), (1,), base)
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets(lay: _layout.Layout) -> tuple[int, ...]:
+    """The byte offset of each tensor, in walk order, in a buffer laid out by ``lay``: read off a meta buffer."""
+    views = _layout.read(torch.empty(lay.nbytes, dtype=torch.uint8, device="meta"), lay)
+    return tuple(int(v.storage_offset()) * v.element_size() for v in views)
