@@ -8,6 +8,8 @@ steps, in this order, each in a process of its own with a time limit, within ``-
 - ``info``: ``python -m todevice info``.
 - ``bench``: ``python -m todevice bench --device cuda --rounds N`` (5 unless ``--rounds`` says), every accelerator
   table, then tests/test_accelerator.py.
+- ``graph``: ``docs/examples/cuda_graph.py``, a training step captured as a CUDA graph and fed by a StaticBatch, timed
+  against the graph fed by a ``copy_()`` per tensor and against the step without a graph.
 - ``staging``: the staged host-to-device copy of 8 x 16 MiB and of one 128 MiB pageable tensor, at each piece size
   (``todevice._layout.STAGE_CHUNK_BYTES``: 1 to 32 MiB, and none), beside one pinned copy of the same bytes; the
   host's time, end to end and with 50 ms of work queued; and the host's memcpy rate into pinned memory.
@@ -34,8 +36,8 @@ from typing import Any
 
 MiB = 1024 * 1024
 PIECES = (None, 1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB)  # None: each tensor written whole
-STEPS = ("info", "bench", "staging", "prefetch", "suite", "probes")
-LIMITS = {"info": 60, "bench": 300, "staging": 120, "prefetch": 150, "suite": 420, "probes": 120}  # s; probes: each
+STEPS = ("info", "bench", "graph", "staging", "prefetch", "suite", "probes")
+LIMITS = {"info": 60, "bench": 300, "graph": 90, "staging": 120, "prefetch": 150, "suite": 420, "probes": 120}  # s
 
 
 def _run(cmd: list[str], limit: float, log: Any, cwd: str | None = None) -> dict[str, Any]:
@@ -64,6 +66,8 @@ def _step(name: str, args: argparse.Namespace, scratch: Path, limit: float, log:
         result = _run(cmd, limit, log)
         result["report"] = json.loads(path.read_text()) if path.exists() else None
         return result
+    if name == "graph":
+        return _run([py, "docs/examples/cuda_graph.py", "200"], limit, log)
     if name in ("staging", "prefetch"):
         path = scratch / f"{name}.json"
         result = _run([py, __file__, "--measure", name, "--out", str(path)], limit, log)
