@@ -150,6 +150,11 @@ def send(
     """The staging buffer into the targets' span: one copy where no byte of the span is another tensor's (``whole``),
     else one per group of the layout, which writes each target's bytes and not the padding between them."""
     if whole:
+        if span.is_cpu and span.storage_offset() % 8 == 0:  # the buffer's size is a multiple of _layout.ALIGN
+            # As 8-byte elements, an eighth as many: copy_() splits a copy over threads from 32,768 elements, which
+            # for 51 KB cost 3.1 us against 1.9 us on a 2-core x86 host, and 3.4 ms against 0.47 ms a step beside
+            # two busy DataLoader workers (docs/examples/cuda_graph.py's batch, into CPU buffers).
+            span, staging = span.view(torch.int64), staging.view(torch.int64)
         span.copy_(staging, non_blocking=non_blocking)
         return
     for (g, mine), (_, theirs) in zip(_layout._regions(span, lay), regions or _layout._regions(staging, lay)):
