@@ -6,7 +6,8 @@ written, and the copies go in order on the current stream, after the work queued
 ``static``. The small host tensors are written into one staging buffer (page-locked where the target
 is an accelerator). When their destinations are views of one buffer laid out as coalescing lays them
 out, which is what ``move(example, device)`` returns for small tensors, that staging buffer is sent
-into it with one copy; otherwise each goes with a copy of its own.
+into it with one copy, or one per group where the layout leaves padding between them (``_step``);
+otherwise each goes with a copy of its own.
 """
 
 from __future__ import annotations
@@ -81,12 +82,15 @@ def copy(
     dtype: torch.dtype | None,
     coalesce: bool | None,
     max_bytes: int,
+    find_step: bool = True,
 ) -> None:
     """Each source into its target, every pair checked first (ValueError naming the path in ``out``), as if every
-    source were read before anything is written."""
+    source were read before anything is written. ``find_step``: look for the one-buffer step (a StaticBatch, which
+    holds it, has tried it)."""
     if not sources:  # no tensor to copy: out as it is
         return
-    step = _step.step_for(targets, max_bytes) if dtype is None and coalesce is not False else None
+    find_step = find_step and dtype is None and coalesce is not False
+    step = _step.step_for(targets, max_bytes) if find_step else None
     if step is not None and (dev is None or step.span.device == dev) and _step.fed(step, sources, non_blocking):
         return  # the common step, in few reads
     read = _check_pairs(sources, targets, out, dev, dtype)
@@ -315,11 +319,7 @@ def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tu
 
 
 _shape, _dtype, _device = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
-_is_cpu, _is_meta, _grad = (
-    operator.attrgetter("is_cpu"),
-    operator.attrgetter("is_meta"),
-    operator.attrgetter("requires_grad"),
-)
+_is_cpu, _grad = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
 _pick = _layout.pick
 _nbytes, _data_ptr, _layout_of = operator.attrgetter("nbytes"), _Tensor.data_ptr, operator.attrgetter("layout")
 
@@ -411,9 +411,14 @@ def _fault(
         elif seen.setdefault(id(dst), src) is not src:
             why = "out holds this very tensor at two places where the batch holds two different tensors."
         if why is not None:
-            path = _walk.format_path(_walk.find_path(out, dst) or "")
-            msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
-            raise ValueError(msg)
+            _refuse(out, dst, why)
+
+
+def _refuse(out: Any, dst: torch.Tensor, why: str) -> None:
+    """The ValueError for a pair that cannot be copied, naming the path of its target in ``out``."""
+    path = _walk.format_path(_walk.find_path(out, dst) or "")
+    msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
+    raise ValueError(msg)
 
 
 def _target_fault(dst: torch.Tensor) -> str | None:
@@ -434,9 +439,7 @@ def check_targets(targets: list[torch.Tensor], out: Any) -> None:
     for dst in targets:
         why = _target_fault(dst)
         if why is not None:
-            path = _walk.format_path(_walk.find_path(out, dst) or "")
-            msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
-            raise ValueError(msg)
+            _refuse(out, dst, why)
     apart(targets, out)
 
 
@@ -495,7 +498,8 @@ def _together(
     non_blocking: bool,
     span: torch.Tensor | None,
 ) -> None:
-    """Small host tensors, copied together: in one copy where the targets are one buffer laid out as ``lay``.
+    """Small host tensors, copied together: in one copy (one per group where the layout has padding) where the targets
+    are one buffer laid out as ``lay``.
 
     Into host memory they are written straight into that buffer, or copied in one C++ loop. Anywhere
     else they are written into one staging buffer first (page-locked for an accelerator), which is
@@ -508,8 +512,7 @@ def _together(
     on_host = targets[0].is_cpu
     if span is not None and on_host:
         _layout.write(span, lay, sources)  # each target's bytes only
-        if not any(map(_Tensor.is_inference, targets)):
-            _step.written(targets)
+        _step.written(targets)
         return
     if span is None and all(map(_is_cpu, targets)):
         torch._foreach_copy_(targets, sources)
@@ -518,7 +521,6 @@ def _together(
     _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
     if span is not None:
         _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
-        if not any(map(_Tensor.is_inference, targets)):
-            _step.written(targets)
+        _step.written(targets)
     else:
         torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)

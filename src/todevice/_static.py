@@ -25,20 +25,23 @@ class StaticBatch:
     the semantics of ``move(batch, out=static)``: every pair is checked before anything is written,
     sources that share memory with the targets are read first, the copies go on the current stream,
     and ``skip_keys`` and ``dtype`` act as they do there. What ``out=`` checks of the targets
-    (each dense and writable, no two sharing memory) is checked once, here.
+    (each dense and writable, no two sharing memory) is checked once, here; a step that is not the
+    one-buffer step below is ``out=``'s copy, which checks them again.
 
     A step is one staging write and one copy where the targets are views of one buffer laid out as
-    coalescing lays it out, as :func:`todevice.static` allocates them (into a buffer it did not make,
-    one copy per group of one shape and dtype, never over the padding between them), the batch's
-    tensors are on the host with the targets' dtypes, and ``dtype`` is None. Such a step reads each source's type and
-    dtype and a few shapes, and leaves every other check to the writes into the staging buffer, which
-    refuse a wrong shape, device or layout, or a tensor requiring grad, before a target is written.
+    coalescing lays it out, as :func:`todevice.static` allocates them (into a buffer it did not make
+    whose layout has padding, one copy per group of one shape and dtype, never over that padding), the
+    batch's tensors are on the host with the targets' dtypes, and ``dtype`` is None. Such a step
+    reads each source's type and dtype and a few shapes, and leaves every other check to the writes
+    into the staging buffer, which refuse a wrong shape, device or layout, or a tensor requiring
+    grad, before a target is written.
     Anything else is copied as ``move(batch, out=static)`` copies it.
 
-    The handle keeps the tensors of ``static`` it was built on, and their keys. A step raises
-    ValueError where ``static`` now holds other tensors or keys, or where their buffer's memory was
-    moved or shrunk (a ``resize_()`` that grows it, ``untyped_storage().resize_()``): it never writes
-    memory the tensors no longer own. A change to a tensor's shape, strides or place in its storage
+    The handle keeps the tensors of ``static`` it was built on, and pairs by the paths ``static`` has
+    now (keys renamed or tensors swapped between paths are read as they are). A step raises
+    ValueError where ``static`` now holds other tensors, or where their buffer's memory was moved or
+    shrunk (a ``resize_()`` that grows it, ``untyped_storage().resize_()``): it never writes memory
+    the tensors no longer own. A change to a tensor's shape, strides or place in its storage
     (``t_()``, ``resize_()`` within the storage, ``as_strided_()``, ``set_()``) is not seen: the
     step keeps writing the bytes the handle found, inside the buffer. Build a new handle after
     changing them.
@@ -106,20 +109,23 @@ class StaticBatch:
         non_blocking, dtype, strict, _ = self._options
         if strict:
             _passed.refuse_unknown(batch, self._skip)
-        step = self._step
+        step, tried = self._step, False
         if step is not None:
             storage, where, size = self._storage  # type: ignore[misc]
             if storage.data_ptr() != where or storage.nbytes() != size:
                 self._changed("their buffer's memory was moved or shrunk (resize_())")
             sources = self._sources(batch)
-            if sources is not None and self._same(self.static.values()) and self._fed(step, sources):
-                return self.static
+            if sources is not None and self._same(self.static.values()):
+                if self._fed(step, sources):
+                    return self.static
+                tried = True
         sources, targets = _into.paired(batch, self.static, self._skip)
         same = self._same(targets)
         if not same and sorted(map(id, targets)) != sorted(map(id, self._targets)):  # not the same ones in any order
             self._changed("it holds other tensors than those it was built on")
-        if not (same and step is not None and self._fed(step, sources)):  # the one-buffer step reads them in order
-            _into.copy(sources, targets, self.static, None, non_blocking, dtype, None, _options.COALESCE_MAX_BYTES)
+        if tried or not (same and step is not None and self._fed(step, sources)):  # the step reads them in order
+            max_bytes = _options.COALESCE_MAX_BYTES
+            _into.copy(sources, targets, self.static, None, non_blocking, dtype, None, max_bytes, find_step=False)
         return self.static
 
     def _same(self, targets: Any) -> bool:
@@ -142,7 +148,8 @@ class StaticBatch:
         """The one-buffer step, with the staging buffer the handle holds for host targets."""
         if _step.fed(step, sources, self._options[0], self._held):
             return True
-        self._held = self._staging()  # its regions may be part of a graph now
+        if self._held is not None and any(region.requires_grad for _, region in self._held[2]):
+            self._held = self._staging()  # a source requiring grad made its regions part of a graph
         return False
 
     def _staging(self) -> tuple[torch.Tensor, bool, list[Any]] | None:
@@ -187,9 +194,10 @@ def static(
     """Static buffers shaped like ``example`` on ``device``, in a :class:`StaticBatch` that feeds them.
 
     Every tensor of ``example`` gets a buffer of its shape and dtype (``dtype`` casts the floating-point
-    and complex ones), as views of one buffer on ``device`` laid out as coalescing lays it out, so each
-    step of the handle is one staging write and one copy. The buffers start with ``example``'s values
-    and do not require grad; anything that is not a tensor stays as it is in the structure.
+    and complex ones), as views of one buffer on ``device`` laid out as coalescing lays it out, so a
+    step of the handle with ``dtype`` None is one staging write and one copy. The buffers start with
+    ``example``'s values and do not require grad; anything that is not a tensor stays as it is in the
+    structure. Tensors under ``skip_keys`` get buffers too, which the handle's steps leave as they are.
 
     Example:
         >>> import torch, todevice

@@ -36,8 +36,10 @@ class Step(NamedTuple):
     span: torch.Tensor  # the targets' bytes
     whole: bool  # one copy of the span may write them: no byte of it is another tensor's (else a copy per group)
     dtypes: list[torch.dtype]  # the targets', which the sources must have
-    probe: tuple[int, ...]  # the sources a step reads the shape, device and requires_grad of: the first of each
-    shapes: list[torch.Size]  # block, each of a ragged group; their shapes, as the targets have them
+    # The sources a step reads the shape, device and requires_grad of (the first of each block, each of a ragged
+    # group), and their shapes, as the targets have them.
+    probe: tuple[int, ...]
+    shapes: list[torch.Size]
     inference: bool  # a target is an inference tensor, written inside torch.inference_mode() only
     grad: bool  # a target requires grad
     targets: list[torch.Tensor]  # each with a version counter of its own, which a write through the span does not move
@@ -45,9 +47,9 @@ class Step(NamedTuple):
 
 def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -> Step | None:
     """The one-buffer step for ``targets``, or None where they are not views of one buffer laid out as coalescing lays
-    it out, are lazily conjugated or negated (which a copy of bytes would not resolve), or are over ``max_bytes``
-    each and in all (each then goes alone). ``owned``: the buffer was made for them alone (``todevice.static()``),
-    so its padding is no other tensor's."""
+    it out, are lazily conjugated or negated (which a copy of bytes would not resolve), or hold a tensor over
+    ``max_bytes`` in a buffer over it (such a tensor goes alone). ``owned``: the buffer was made for them alone
+    (``todevice.static()``), so its padding is no other tensor's."""
     if set(map(type, targets)) != {_Tensor}:
         return None
     try:
@@ -116,16 +118,20 @@ def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any =
         return False
     with torch.no_grad() if step.grad else contextlib.nullcontext():  # no_grad() alone: 3.7 us on a 2-core x86 host
         send(step.span, staging, step.lay, step.whole, pinned, regions)
-    if not step.inference:
-        written(step.targets)
+    written(step.targets, step.inference)
     return True
 
 
-def written(targets: list[torch.Tensor]) -> None:
+def written(targets: list[torch.Tensor], inference: bool | None = None) -> None:
     """Tell autograd that every target was written in place, as a copy_() into each would: a write through one view of
     their buffer moves only that view's version counter, and tensors cut from one buffer (a coalesced move's, or
     ``todevice.static()``'s) each have their own. A tensor saved for a backward pass then fails it, as it should,
-    rather than giving gradients of the new values. 80 ns a tensor on a 2-core x86 host."""
+    rather than giving gradients of the new values. 80 ns a tensor on a 2-core x86 host. An inference tensor has no
+    version counter: none is marked where one is among them (``inference``, when known)."""
+    if inference is None:
+        inference = any(map(_Tensor.is_inference, targets))
+    if inference:
+        return
     if _BUMPS_LISTS:
         torch._C._increment_version(targets)
     else:
@@ -153,7 +159,7 @@ def send(
         if span.is_cpu and span.storage_offset() % 8 == 0:  # the buffer's size is a multiple of _layout.ALIGN
             # As 8-byte elements, an eighth as many: copy_() splits a copy over threads from 32,768 elements, which
             # for 51 KB cost 3.1 us against 1.9 us on a 2-core x86 host, and 3.4 ms against 0.47 ms a step beside
-            # two busy DataLoader workers (docs/examples/cuda_graph.py's batch, into CPU buffers).
+            # two busy DataLoader workers (25 tensors of 2 KB a batch, into CPU buffers).
             span, staging = span.view(torch.int64), staging.view(torch.int64)
         span.copy_(staging, non_blocking=non_blocking)
         return
