@@ -399,3 +399,23 @@ def test_every_static_tensor_is_marked_written_for_autograd() -> None:
     feed({"a": torch.full((3,), 7.0), "b": torch.full((2,), 5.0)})
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.backward()
+
+
+def test_static_s_buffers_share_one_version_counter_so_a_step_marks_each_at_no_cost() -> None:
+    feed = todevice.static({"a": torch.zeros(3), "b": [torch.ones(2), torch.arange(4)], "c": "kept"}, "cpu")
+    assert feed._step is not None and feed._step.targets == []  # the one write through the buffer marks them all
+    tensors = [feed.static["a"], *feed.static["b"]]
+    before = [t._version for t in tensors]
+    feed({"a": torch.ones(3), "b": [torch.zeros(2), torch.arange(4) + 1], "c": "other"})
+    assert all(t._version > v for t, v in zip(tensors, before)) and feed.static["c"] == "kept"
+    mine = todevice.StaticBatch(helpers.one_buffer({"a": torch.zeros(4), "b": torch.zeros(4)}))
+    assert mine._step is not None and [id(t) for t in mine._step.targets] == [id(mine.static["b"])]  # a's is the span's
+
+
+def test_a_tensor_met_twice_in_the_example_is_one_static_tensor() -> None:
+    t = torch.randn(3)
+    feed = todevice.static({"a": t, "b": [t]}, "cpu")
+    assert feed.static["a"] is feed.static["b"][0]
+    b = torch.randn(3)
+    feed({"a": b, "b": [b]})
+    assert torch.equal(feed.static["a"], b)
