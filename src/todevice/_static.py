@@ -243,21 +243,31 @@ def static(
 def _one_counter(buffers: Any) -> Any:
     """``buffers`` with each tensor remade as a view of one tensor over their storage, so that they share its version
     counter: a step's one write through the buffer marks them all written for autograd, where marking each costs
-    80 ns a tensor. A tensor met twice stays one tensor."""
+    80 ns a tensor. A tensor met twice stays one tensor. Where a remade view is not seen at its tensor's address
+    (memory without addresses, such as meta), ``buffers`` come back as they are."""
     made: dict[int, torch.Tensor] = {}
     bases: dict[torch.dtype, torch.Tensor] = {}
 
     def view(t: torch.Tensor, _: Any) -> torch.Tensor:
         if id(t) not in made:
-            if not bases:
-                bases[torch.uint8] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            if not bases:  # a view of the first tensor over the whole storage, whose counter every view then shares
+                bases[torch.uint8] = _step._bytes(t, t.untyped_storage().nbytes(), 0)
             base = bases.get(t.dtype)
             if base is None:
                 base = bases[t.dtype] = bases[torch.uint8].view(t.dtype)
-            made[id(t)] = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            v = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            if not t.data_ptr() or v.data_ptr() != t.data_ptr():
+                raise _Unseen
+            made[id(t)] = v
         return made[id(t)]
 
-    return _walk.make(_never, view, _as_it_is, _tree.kind_of).walk(buffers, None)
+    try:
+        return _walk.make(_never, view, _as_it_is, _tree.kind_of).walk(buffers, None)
+    except _Unseen:
+        return buffers
+
+
+class _Unseen(Exception): ...  # a remade view not at its tensor's address
 
 
 def _never(t: torch.Tensor) -> bool:
