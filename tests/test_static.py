@@ -419,3 +419,8 @@ def test_a_tensor_met_twice_in_the_example_is_one_static_tensor() -> None:
     b = torch.randn(3)
     feed({"a": b, "b": [b]})
     assert torch.equal(feed.static["a"], b)
+
+
+def test_static_refuses_a_dtype_it_cannot_cast_to_before_anything_is_allocated() -> None:
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point or complex"):
+        todevice.static({"x": torch.zeros(2)}, "cpu", dtype=torch.int64)

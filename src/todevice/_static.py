@@ -224,9 +224,7 @@ def static(
     .. versionadded:: 0.3.0
     """
     dev = _stream.resolve_device(device)
-    if dtype is not None:
-        _options.check_dtype(dtype)
-    from_host = _pack.pack(_move.move(example, "cpu", dtype=dtype), max_bytes=None)
+    from_host = _pack.pack(_move.move(example, "cpu", dtype=dtype), max_bytes=None)  # move() checks dtype
     if from_host.loose:
         msg = (
             f"Cannot make static buffers like this example: {from_host.loose} of its tensors or objects are not "
