@@ -52,17 +52,14 @@ class _Gather(Exception): ...  # a move to the CPU met a tensor off the host, wh
 
 
 def _plain_objects_only(x: Any, code: int, rec: list[torch.Tensor], placed: Callable[[torch.Tensor], bool]) -> Any:
-    """The optimistic walk's other leaves: unknown objects and modules that leave nothing behind stay; one that does,
-    a ``.to()`` object, a packed batch or a slot needs a move's full state: the memo walk takes over (it records what
-    is left behind, and the move warns, naming its path)."""
+    """The optimistic walk's other leaves: those that leave no tensor behind stay; the rest need the memo walk."""
     if (code == _tree.UNKNOWN or code == _tree.MODULE) and _passed.left_behind(x, code, placed) is None:
         return x
     raise _NeedsMemo
 
 
 class Bare(NamedTuple):
-    """What an accelerator named without an index ("cuda") plans: the device current when the call is made, so the
-    plan is that device's, found by its index (``_current``)."""
+    """The plan of an accelerator named without an index ("cuda"): the current device's, by its index (``_current``)."""
 
     type: str
 
@@ -162,8 +159,8 @@ _plans: dict[tuple[Any, ...], Plan | Bare] = {}
 
 
 def plan_for(device: Any, non_blocking: bool, dtype: Any, *options: Any, **named: Any) -> Plan:
-    """The plan for move()'s arguments, each checked by ``_options.check`` (``options`` and ``named`` are its arguments
-    after ``dtype``: coalesce, max_bytes, stream, strict, skip_keys); "cuda" gets the plan of the device current now."""
+    """The plan for move()'s arguments, each checked by ``_options.check`` (``options`` and ``named``: its arguments
+    after ``dtype``); "cuda" gets the current device's plan."""
     p = _cached(device, non_blocking, dtype, frozenset())  # checks the device, non_blocking and dtype, in that order
     if type(p) is Bare:
         p = _current(p, non_blocking, dtype)
@@ -210,13 +207,9 @@ def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
 
 
 class State:
-    """One memo walk's own: the copies it made, the memo that keeps aliasing, and the views that fill slots.
-
-    Every copy is appended to ``sources`` and ``results``. ``seen`` holds each tensor moved with its result
-    (aliasing, and distinct tensors over the same memory), and objects go in ``memo``, by id; each keeps its sources
-    alive, so ids and addresses stay theirs. ``made`` holds the copies an optimistic walk made before, by id of
-    their source.
-    """
+    """One memo walk's own: its copies (``sources``, ``results``), the tensors and objects met (``seen``, ``memo``,
+    which keep them alive so ids and addresses stay theirs), the copies an optimistic walk made (``made``, by id), and
+    the views that fill slots."""
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
@@ -244,15 +237,14 @@ class State:
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def know_taken(self) -> None:
-        """Make the tensors taken out of the batch known to the memo, with the views that hold their copies: before a
-        copy is made outside the walk (a mapping's own .to()), which may meet them. Once: the list goes."""
+        """The taken tensors made known to the memo with their views, once: before a copy made outside the walk (a
+        mapping's own .to()) may meet them."""
         taken, self.taken = self.taken, None
         for t, view in zip(taken or (), self.views or ()):
             self.once(t, view)
 
     def once(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The one copy of ``t`` in this move: the copy made of it before, or ``out`` (made outside the walk, by a
-        mapping's own .to()), then kept for a repeat."""
+        """The one copy of ``t`` in this move: the one made before, or ``out`` (made by a mapping's own .to())."""
         found = self.seen.find(t)
         if found is not None and found[2]:
             return found[1]  # type: ignore[no-any-return]
@@ -260,17 +252,15 @@ class State:
         return out
 
     def finish(self, out: Any = None) -> Any:
-        """Wait for asynchronous copies into host memory, so the caller never reads unfinished data; ``out`` back."""
+        """``out``, once asynchronous copies into host memory have landed."""
         if self.plan.to_host:
             _stream.wait_for(self.sources, self.waits)
         return out
 
 
 def _order(t: torch.Tensor, s: State) -> None:
-    """On a side stream, before the first copy from accelerator memory: wait for the user's stream (no side stream:
-    nothing). That memory may be written by work queued there. Host memory needs no wait, so a move of host
-    tensors never waits for the user's work and its copies overlap it.
-    """
+    """On a side stream, before the first copy from accelerator memory, which work queued on the user's stream may
+    write: wait for that stream. Host memory needs no wait, so copies of host tensors overlap the user's work."""
     if s.streams is not None and not s.ordered and not (t.is_cpu or t.is_meta):
         user, side = s.streams
         side.wait_stream(user)
@@ -307,8 +297,13 @@ def walk_again(obj: Any, p: Plan, rec: list[torch.Tensor] | None = None) -> Any:
     return s.finish(_walked(obj, s, obj))
 
 
-def _walked(x: Any, s: State, original: Any) -> Any:  # the memo walk over x; errors and warnings name paths in original
+def _walked(x: Any, s: State, original: Any, views: Callable[[], list[torch.Tensor]] | None = None) -> Any:
+    """The memo walk over ``x`` (a skeleton whose slots ``views()`` fill, if given); errors and warnings name paths in
+    ``original``."""
     try:
+        if views is not None:  # x: the taken tensors (a _layout.Taken)
+            taken, x = x, x.skeleton
+            s.views, s.aliases, s.taken = views(), {}, taken.tensors
         out = _memo_walk(x, s)
     except LeafError as failure:
         _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
@@ -345,9 +340,8 @@ def _same_address(t: torch.Tensor, s: State) -> torch.Tensor:
 
 
 def _skipped_item(x: Any, s: State) -> Any:
-    """An item under a key to skip: as it is; in a packed batch's skeleton, filled as the batch holds it (its slots
-    filled with views of the buffer where it is, nothing copied). One filling for every skipped item of the batch, so
-    a tensor in two is one view."""
+    """An item under a key to skip: as it is; in a packed batch's skeleton, its slots filled with views of the buffer
+    where it is (one filling per batch, so a tensor in two items is one view)."""
     batch = s.packed
     if batch is None:
         return x
@@ -364,8 +358,7 @@ def _skipped_item(x: Any, s: State) -> Any:
 
 
 def _unpacked(batch: _tree.Packed, s: State) -> Any:
-    """A packed batch the walk meets: its buffer sent once to the move's device, its slots filled with views of the
-    copy."""
+    """A packed batch: its buffer sent once, its slots filled with views of the copy."""
     hit = s.memo.get(id(batch))
     if hit is not None:
         return hit[1]
@@ -580,48 +573,27 @@ def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: A
 
 
 def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
-    """A structure moved: gathered back to the CPU, sent as ``_sent`` decides, or walked tensor by tensor."""
+    """A structure moved: its small tensors taken out, gathered back to the CPU or sent, and the skeleton walked with
+    its slots filled; or walked tensor by tensor (a deep or cyclic ``obj`` too)."""
     p = s.plan
-    if p.gathers and coalesce is not False:
-        taken = _taken(obj, s, max_bytes)
-        if taken is None or len(taken.tensors) < 2:  # a single tensor goes alone
-            return _walked(obj, s, obj)
+    gather = p.gathers and coalesce is not False
+    taken = None
+    if gather or p.sends or coalesce:
+        try:
+            taken = _layout.take(obj, p.takes, max_bytes, p.dtype)
+        except RecursionError:
+            pass  # the walk handles or reports it
+        except LeafError as failure:
+            _walk.explain(failure, obj, p.dev, skip=p.skip)
+    if taken is None or (gather and len(taken.tensors) < 2):  # a single tensor to gather goes alone
+        return _walked(obj, s, obj)
+    if gather:
         copied = functools.partial(_copied, s=s)
         order = functools.partial(_order, s=s)
-        return _filled(taken, s, obj, lambda: _back.gathered_back(taken, s.plan.dtype, copied, order, s.buffers))
-    if p.sends or coalesce:
-        return _sent(obj, s, coalesce, max_bytes)
-    return _walked(obj, s, obj)
-
-
-def _taken(obj: Any, s: State, max_bytes: int) -> _layout.Taken | None:
-    """The small tensors taken out of ``obj`` (off the host, to the CPU); None for a deep or cyclic ``obj``."""
-    p = s.plan
-    try:
-        return _layout.take(obj, p.takes, max_bytes, p.dtype)
-    except RecursionError:
-        return None  # the walk handles or reports it
-    except LeafError as failure:
-        _walk.explain(failure, obj, p.dev, skip=p.skip)
-
-
-def _filled(taken: _layout.Taken, s: State, obj: Any, views: Callable[[], list[torch.Tensor]]) -> Any:
-    """The skeleton walked, its slots filled with ``views()`` and every other tensor moved; errors name paths."""
-    try:
-        s.views, s.aliases, s.taken = views(), {}, taken.tensors
-    except LeafError as failure:  # from a tensor copied alone
-        _walk.explain(failure, obj, s.plan.dev, skip=s.plan.skip)
-    return _walked(taken.skeleton, s, obj)
-
-
-def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
-    """Host tensors sent as ``_layout.sending`` decides from what the batch holds: the small ones together
-    through one (pinned) buffer, or each alone; those alone straight from where they are, or all through
-    one pinned buffer where the driver would wait for queued work (the skeleton's walk takes those copies)."""
-    p = s.plan
-    taken = _taken(obj, s, max_bytes)
-    if taken is None:
-        return _walked(obj, s, obj)
+        return _walked(taken, s, obj, lambda: _back.gathered_back(taken, s.plan.dtype, copied, order, s.buffers))
+    # Host tensors sent as _layout.sending decides from what the batch holds: the small ones together through one
+    # (pinned) buffer, or each alone; those alone straight, or all through one pinned buffer where the driver would
+    # wait for queued work (the skeleton's walk takes those copies).
     small, alone = taken.tensors, taken.alone
     how = _layout.sending(len(small), taken.layout.nbytes, len(alone), sum(map(_layout.nbytes, alone)), coalesce)
     s.planned = bool(small or alone)  # else a PackedBatch's loose tensors: each staged by itself where it pays
@@ -630,13 +602,13 @@ def _sent(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
     if not small:
         return _walked(obj, s, obj)
     if not how.together:
-        return _filled(taken, s, obj, lambda: [_copied(t, s) for t in small])
+        return _walked(taken, s, obj, lambda: [_copied(t, s) for t in small])
     views: list[torch.Tensor] = []
     for part, lay in _layout.parts(small, taken.layout, p.dtype):  # bounded: what one kept tensor holds alive
         staging = _layout.staging(lay.nbytes, p.dev)[0]
         _layout.write(staging, lay, part)
         views += _send(s, staging, lay)
-    return _filled(taken, s, obj, lambda: views)
+    return _walked(taken, s, obj, lambda: views)
 
 
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
