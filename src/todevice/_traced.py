@@ -80,14 +80,8 @@ TRACES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 11
 
 
 def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` run as plain Python where torch.compile meets it, for torch before 2.11: a graph break, and under
-    fullgraph=True dynamo's error, which names the function by the name given here, and says so. From torch 2.11,
-    ``fn`` itself, never called so.
-
-    What ``torch.compiler.disable`` makes, without importing dynamo (a second's import, for every DataLoader worker):
-    dynamo breaks the graph at a function marked ``_torchdynamo_disable``, and the function turns dynamo off while it
-    runs.
-    """
+    """``fn`` run outside the graph (``_outside_graph``) before torch 2.11, named ``name`` in dynamo's error; from
+    torch 2.11, ``fn`` itself."""
     if TRACES:
         return fn
     why = f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
@@ -95,9 +89,9 @@ def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn``, run as plain Python where dynamo meets it: a graph break, and under fullgraph=True dynamo's error, which
-    names the function by ``name``. Dynamo breaks the graph at a function marked ``_torchdynamo_disable``, and the
-    function turns dynamo off while it runs."""
+    """``fn``, run as plain Python where dynamo meets it: a graph break (under fullgraph=True, dynamo's error naming
+    ``name``). What ``torch.compiler.disable`` makes, without importing dynamo (a second's import, for every DataLoader
+    worker): dynamo breaks the graph at a function marked ``_torchdynamo_disable``, which turns dynamo off."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         callback = _EVAL_FRAME.set_eval_frame(None)
@@ -229,8 +223,8 @@ def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
 
 
 def _one(t: torch.Tensor, h: _How) -> torch.Tensor:
-    """``t`` moved. With no memo, for the views read from a packed buffer, each made once: dynamo before
-    2.12 cannot take the ``id()`` of a tensor made in the graph."""
+    """``t`` moved, with no memo: for a packed buffer's views, each made once (dynamo before 2.12 cannot take the
+    ``id()`` of a tensor made in the graph)."""
     cast = _options.cast_to(t.dtype, h.dtype)
     if h.fresh:  # a copy, never the packed tensor itself; one that required grad, a new leaf
         out = t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True)
@@ -400,14 +394,8 @@ def _met(x: Any, h: _How) -> Any:
 
 
 def _to_object(x: Any, h: _How) -> Any:
-    """An object with its own ``.to()``: moved by it, on a shallow copy, as the eager move does.
-
-    ``dtype=`` reaches a ``.to()`` that takes it; a PackedSequence's, where its data is floating-point.
-
-    Several popular ones (a tokenizer's BatchEncoding, PyG's Data) move their contents in place and
-    return self, which would mutate the input; a PackedSequence's ``.to()`` makes a new one. One that
-    cannot be copied is moved by its own ``.to()``; one whose ``.to()`` returns None, the copy it moved.
-    """
+    """An object with its own ``.to()``: moved by it on a shallow copy, as the eager move does (``_walk.to_object``);
+    ``dtype=`` reaches a ``.to()`` that takes it, a PackedSequence's where its data is floating-point."""
     out = _met(x, h)
     if out is not None:
         return out
@@ -454,8 +442,7 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
 
 
 def _unpacked(batch: Any, h: _How) -> Any:
-    """A packed batch's structure, its slots filled with its tensors moved; those that required grad as
-    leaves that require grad, as the eager unpack gives them."""
+    """A packed batch's structure, its slots filled with its tensors moved (those that required grad as new leaves)."""
     lay = batch.layout
     if not lay.order:
         # Packed under torch.compile, its tensors are those of the structure packed; the eager unpack
