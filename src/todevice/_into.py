@@ -149,8 +149,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if size != b.element_size() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return True  # not one storage read as one dtype: not told apart here
     first, second = int(a.storage_offset()), int(b.storage_offset())
-    lo = min(first, second)
-    hi = max(first + _extent(a) // size, second + _extent(b) // size)
+    lo, hi = min(first, second), max(first + _extent(a) // size, second + _extent(b) // size)
     if hi - lo > _EXACT_MAX:
         return True
     offsets = torch.arange(hi - lo)
@@ -168,12 +167,8 @@ def apart(targets: list[torch.Tensor], out: Any) -> list[tuple[int, int, int]]:
         active = [(e, k) for e, k in active if e > start]
         for _, k in active:
             if _share_elements(targets[i], targets[k]):
-                _refuse(
-                    out,
-                    targets[i],
-                    f"out's tensor shares memory with the one at {_path(out, targets[k])}, so one would be written "
-                    f"over the other. Give each its own memory.",
-                )
+                why = f"out's tensor shares memory with the one at {_path(out, targets[k])}, so one would be written"
+                _refuse(out, targets[i], f"{why} over the other. Give each its own memory.")
         active.append((end, i))
     return spans
 
@@ -190,9 +185,7 @@ def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Te
     except (KeyError, TypeError):  # a key out has not, or an unhashable one: pairs() names it
         return None
     sources = list(batch.values())
-    if set(map(type, sources)) != {_Tensor} or set(map(type, targets)) != {_Tensor}:
-        return None
-    return sources, targets
+    return (sources, targets) if set(map(type, sources)) == set(map(type, targets)) == {_Tensor} else None
 
 
 def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torch.Tensor]:
@@ -435,14 +428,12 @@ def _write_pairs(
     if not every:
         together = set(small)
         for i, (src, dst) in enumerate(zip(sources, targets)):
-            if i in together:
-                continue
-            try:
-                _alone(src, dst, non_blocking)
-            except Exception as err:
-                _walk.raise_with_message(
-                    err, f"Cannot copy into out at {_path(out, dst)} ({_walk.describe(src)}): {err}"
-                )
+            if i not in together:
+                try:
+                    _alone(src, dst, non_blocking)
+                except Exception as err:
+                    where = f"{_path(out, dst)} ({_walk.describe(src)})"
+                    _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
         sources, targets = _pick(sources, small), _pick(targets, small)
     if lay is None:
         return

@@ -25,12 +25,8 @@ _pick, _data_ptr = _layout.pick, _Tensor.data_ptr
 
 
 class Step(NamedTuple):
-    """A step into targets that are views of one buffer laid out as coalescing lays it out: what it reads of them.
-
-    That layout proves what the full check reads target by target: the targets are plain, contiguous, distinct,
-    apart from each other and on one device. ``move(batch, out=static)`` finds it on every call; a StaticBatch
-    holds it.
-    """
+    """A step into targets that are views of one buffer laid out as coalescing lays it out, a layout that proves what
+    the full check reads target by target: they are plain, contiguous, distinct, apart and on one device."""
 
     lay: _layout.Layout
     span: torch.Tensor  # the targets' bytes
@@ -68,16 +64,9 @@ def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -
         n, read = (g.n, 1) if isinstance(g, _layout.Block) else (len(g.shapes), len(g.shapes))
         probe.extend(lay.walk_order[k : k + read])
         k += n
+    inference, grad = any(map(_Tensor.is_inference, targets)), any(map(_grad, targets))
     return Step(
-        lay,
-        span,
-        owned or _layout.tight(lay),
-        dtypes,
-        tuple(probe),
-        _pick(shapes, probe),
-        any(map(_Tensor.is_inference, targets)),
-        any(map(_grad, targets)),
-        targets,
+        lay, span, owned or _layout.tight(lay), dtypes, tuple(probe), _pick(shapes, probe), inference, grad, targets
     )
 
 
@@ -128,9 +117,7 @@ def written(targets: list[torch.Tensor], inference: bool | None = None) -> None:
     ``todevice.static()``'s) each have their own. A tensor saved for a backward pass then fails it, as it should,
     rather than giving gradients of the new values. 80 ns a tensor on a 2-core x86 host. An inference tensor has no
     version counter: none is marked where one is among them (``inference``, when known)."""
-    if inference is None:
-        inference = any(map(_Tensor.is_inference, targets))
-    if inference:
+    if inference or (inference is None and any(map(_Tensor.is_inference, targets))):
         return
     if _BUMPS_LISTS:
         torch._C._increment_version(targets)
@@ -171,25 +158,20 @@ def send(
 
 
 def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) -> torch.Tensor | None:
-    """The one buffer the targets are views of, laid out as ``lay`` (``_span``), where a copy per group may write
-    them all; None with coalesce=False, or where a target is lazily conjugated or negated (each is copied as it is).
-    Only a complex target can be conjugated: the layout's dtypes, the targets', say whether any is."""
+    """``_span``, or None with coalesce=False or where a target is lazily conjugated or negated (each is copied as it
+    is; only a complex one can be conjugated, which the layout's dtypes, the targets', tell)."""
     if not coalesce or any(map(_Tensor.is_neg, targets)):
         return None
-    if any(g.final.is_complex for g in lay.groups) and any(map(_Tensor.is_conj, targets)):
-        return None
-    return _span(targets, lay)
+    conjugated = any(g.final.is_complex for g in lay.groups) and any(map(_Tensor.is_conj, targets))
+    return None if conjugated else _span(targets, lay)
 
 
 def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
-    """A byte view of the one buffer all ``targets`` are views of, where ``lay`` puts each, or None.
-
-    Every target must be a plain contiguous tensor at its layout offset from one base, inside the
-    first one's storage. The span holds each target's bytes and the alignment padding between them
-    (under ``_layout.ALIGN`` bytes each), which may be another tensor's: the targets may be columns of a
-    larger one. One copy of the whole span is made only where the layout has no padding (``_layout.tight``)
-    or the buffer was made for the targets alone (``todevice.static()``).
-    """
+    """A byte view of the one buffer all ``targets`` are views of, each a plain contiguous tensor where ``lay`` puts it
+    from one base inside the first one's storage; or None. The alignment padding between them (under
+    ``_layout.ALIGN`` bytes each) may be another tensor's, the targets being columns of a larger one: one copy of the
+    whole span is made only where the layout has none (``_layout.tight``) or the buffer was made for the targets
+    alone (``todevice.static()``)."""
     first = targets[0]
     offsets = _offsets(lay)
     base = first.storage_offset() * first.element_size() - offsets[0]
