@@ -59,11 +59,8 @@ def into(
 
 
 def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors of ``batch`` and the tensors at their paths in ``out``, in walk order.
-
-    Raises:
-        ValueError: the structures differ; the message names the first path where they do.
-    """
+    """The tensors of ``batch`` and the tensors at their paths in ``out``, in walk order; ValueError naming the first
+    path where the structures differ."""
     if not skip and (flat := _flat_pairs(batch, out)) is not None:
         return flat
     found = pairs(batch, out, skip)
@@ -189,11 +186,8 @@ def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Te
 
 
 def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torch.Tensor]:
-    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order.
-
-    Raises:
-        ValueError: the structures differ; the message names the first path where they do.
-    """
+    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order;
+    ValueError naming the first path where the structures differ."""
     found: list[torch.Tensor] = []
     try:
         _pair(batch, out, found, skip)
@@ -262,7 +256,7 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
         if absent or len(wanted) != len(offered):
             known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
             missing, extra = [label[1] for label in absent], [label[1] for label in offered if label not in known]
-            what = "the keys differ: " if any(label[0] is _KEY for label in (*wanted, *offered)) else ""
+            what = "the keys differ: " if any(label[0] == "key" for label in (*wanted, *offered)) else ""
             raise _Mismatch(
                 f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
             )
@@ -279,15 +273,12 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
             raise
 
 
-_KEY, _ENTRY = "key", "entry"
-
-
 def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any] | None]:
     """What pairs each child: a mapping's item its key, anything else its path entry; None for an item under a key in
     ``skip``, which need not be on both sides."""
     keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
     return [
-        (_ENTRY, kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else (_KEY, k)  # type: ignore[misc]
+        ("entry", kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else ("key", k)  # type: ignore[misc]
         for i, k in enumerate(keys)
     ]
 
@@ -313,10 +304,8 @@ class _Read(NamedTuple):
 def _check_pairs(
     sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
 ) -> _Read:
-    """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written.
-
-    Each property is read in one C loop; the pair at fault is looked for, pair by pair, only when there is one.
-    """
+    """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written. Each
+    property is read in one C loop; the pair at fault is looked for, pair by pair, only when there is one."""
     read: _Read | None = None
     try:
         read = _read(sources, targets)
@@ -412,10 +401,9 @@ def _write_pairs(
     coalesce: bool,
     max_bytes: int,
 ) -> None:
-    """The copies, on the current stream: the large or device tensors each alone, then the small host tensors together:
-    where the targets are one buffer laid out as ``lay`` (``span``), in one copy (one per group where the layout has
-    padding); else into host memory in one C++ loop, and anywhere else through one staging buffer (page-locked for an
-    accelerator), cut into tensors that each go with a copy of their own."""
+    """The copies, on the current stream: large or device tensors each alone; the small host tensors together, in one
+    copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``, else in
+    one C++ loop into host memory, or through one staging buffer (page-locked for an accelerator) cut into a copy each."""
     small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
     lay = None
     every = len(small) == len(sources)

@@ -73,10 +73,8 @@ def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -
 def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any = None) -> bool:
     """The one-buffer step: each source's type and dtype read, and the shape, device and requires_grad of a few; the
     sources written into one staging buffer (``held``: a host one and its regions, for host targets), then sent
-    into the targets. False, with no target written, where the full check is to run and name what differs.
-
-    Every source is read before a target is written, so sources over the targets copy as if read first.
-    """
+    into the targets. False, with no target written, where the full check is to run and name what differs. Every
+    source is read before a target is written, so sources over the targets copy as if read first."""
     if set(map(type, sources)) != {_Tensor} or list(map(_dtype, sources)) != step.dtypes:
         return False
     probed = _pick(sources, step.probe)
@@ -91,11 +89,10 @@ def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any =
             return False
     except RuntimeError:  # a strided nested tensor has no shape
         return False
-    if held is not None:
-        staging, pinned, regions = held
-    else:
+    if held is None:
         staging, pinned = _layout.staging(step.lay.nbytes, step.span.device, pinned=non_blocking)
-        regions = _layout._regions(staging, step.lay)
+        held = staging, pinned, _layout._regions(staging, step.lay)
+    staging, pinned, regions = held
     try:
         # Written with grad mode as it is: a block's stack(out=) refuses a source requiring grad, another device or
         # layout, and its fallback's copy of one marks the block's region, read once here instead of every source's
@@ -126,15 +123,11 @@ def written(targets: list[torch.Tensor], inference: bool | None = None) -> None:
             torch._C._increment_version(t)
 
 
-def _bumps_lists() -> bool:
-    try:  # torch 2.4 bumps one tensor a call, and raises RuntimeError for a list
-        torch._C._increment_version([torch.empty(0)])
-    except (TypeError, RuntimeError):
-        return False
-    return True
-
-
-_BUMPS_LISTS = _bumps_lists()
+try:  # torch 2.4 bumps one tensor a call, and raises RuntimeError for a list
+    torch._C._increment_version([torch.empty(0)])
+    _BUMPS_LISTS = True
+except (TypeError, RuntimeError):
+    _BUMPS_LISTS = False
 
 
 def send(
