@@ -403,7 +403,7 @@ def _write_pairs(
 ) -> None:
     """The copies, on the current stream: large or device tensors each alone; the small host tensors together, in one
     copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``, else in
-    one C++ loop into host memory, or through one staging buffer (page-locked for an accelerator) cut into a copy each."""
+    one C++ loop into host memory, or from one staging buffer (page-locked for an accelerator) with a copy each."""
     small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
     lay = None
     every = len(small) == len(sources)
