@@ -25,8 +25,7 @@ _Tensor = torch.Tensor
 
 
 class _Mismatch(Exception):
-    """Internal: the batch and ``out`` differ here (its one argument says how); the path grows as the error leaves
-    each container."""
+    """Internal: the batch and ``out`` differ here, as its argument says; the path grows as it leaves each container."""
 
     path = ""
 
