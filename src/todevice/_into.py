@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -25,12 +25,9 @@ _Tensor = torch.Tensor
 
 
 class _Mismatch(Exception):
-    """Internal: the batch and ``out`` differ here; the path grows as the error leaves each container."""
+    """Internal: the batch and ``out`` differ here, as its argument says; the path grows as it leaves each container."""
 
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-        self.path = ""
+    path = ""
 
 
 def into(
@@ -61,13 +58,9 @@ def into(
 
 
 def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors of ``batch`` and the tensors at their paths in ``out``, in walk order.
-
-    Raises:
-        ValueError: the structures differ; the message names the first path where they do.
-    """
-    flat = _flat_pairs(batch, out) if not skip else None
-    if flat is not None:
+    """The tensors of ``batch`` and the tensors at their paths in ``out``, in walk order; ValueError naming the first
+    path where the structures differ."""
+    if not skip and (flat := _flat_pairs(batch, out)) is not None:
         return flat
     found = pairs(batch, out, skip)
     return found[0::2], found[1::2]
@@ -89,14 +82,32 @@ def copy(
     holds it, has tried it)."""
     if not sources:  # no tensor to copy: out as it is
         return
-    find_step = find_step and dtype is None and coalesce is not False
-    step = _step.step_for(targets, max_bytes) if find_step else None
+    step = _step.step_for(targets, max_bytes) if find_step and dtype is None and coalesce is not False else None
     if step is not None and (dev is None or step.span.device == dev) and _step.fed(step, sources, non_blocking):
         return  # the common step, in few reads
     read = _check_pairs(sources, targets, out, dev, dtype)
-    sources = _read_first(sources, targets, read, out)
+    spans = apart(targets, out)
+    if spans and not (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
+        # Each source over a target is copied first, as if every source were read before anything is written (a
+        # swap, a rolling buffer).
+        starts = [start for start, _, _ in spans]
+        reach = list(itertools.accumulate([end for _, end, _ in spans], max))  # the furthest a target up to here ends
+        sources = list(sources)
+        for start, end, i in _spans(sources, once=False):  # every place a source is read from
+            k = bisect.bisect_left(starts, end) - 1  # the last target starting before this source ends
+            if k >= 0 and reach[k] > start:
+                sources[i] = sources[i].clone()
     with torch.no_grad():
         _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
+
+
+def _path(out: Any, t: torch.Tensor) -> str:
+    return _walk.format_path(_walk.find_path(out, t) or "")
+
+
+def _refuse(out: Any, dst: torch.Tensor, why: str) -> NoReturn:
+    msg = f"Cannot copy into out: at {_path(out, dst)}, {why} Nothing was copied."
+    raise ValueError(msg)
 
 
 # ---------------------------------------------------------------- memory shared between the two sides
@@ -115,15 +126,12 @@ def _spans(tensors: list[torch.Tensor], once: bool = True) -> list[tuple[int, in
     """(start, end, index) of each tensor with memory (each distinct one, with ``once``), by address: meta and empty
     tensors have none."""
     seen: set[int] = set()
-    out = []
+    found = []
     for i, (t, ptr) in enumerate(zip(tensors, map(_data_ptr, tensors))):
-        if ptr and not (once and id(t) in seen):
+        if ptr and not (once and id(t) in seen) and (n := _extent(t)):
             seen.add(id(t))
-            end = ptr + _extent(t)
-            if end > ptr:
-                out.append((ptr, end, i))
-    out.sort()
-    return out
+            found.append((ptr, ptr + n, i))
+    return sorted(found)
 
 
 _EXACT_MAX = 1 << 22  # elements: past this, two strided targets whose ranges cross are taken to share memory
@@ -137,8 +145,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if size != b.element_size() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return True  # not one storage read as one dtype: not told apart here
     first, second = int(a.storage_offset()), int(b.storage_offset())
-    lo = min(first, second)
-    hi = max(first + _extent(a) // size, second + _extent(b) // size)
+    lo, hi = min(first, second), max(first + _extent(a) // size, second + _extent(b) // size)
     if hi - lo > _EXACT_MAX:
         return True
     offsets = torch.arange(hi - lo)
@@ -156,31 +163,10 @@ def apart(targets: list[torch.Tensor], out: Any) -> list[tuple[int, int, int]]:
         active = [(e, k) for e, k in active if e > start]
         for _, k in active:
             if _share_elements(targets[i], targets[k]):
-                here, there = (_walk.format_path(_walk.find_path(out, targets[j]) or "") for j in (i, k))
-                msg = (
-                    f"Cannot copy into out: at {here}, out's tensor shares memory with the one at {there}, so one "
-                    f"would be written over the other. Give each its own memory. Nothing was copied."
-                )
-                raise ValueError(msg)
+                why = f"out's tensor shares memory with the one at {_path(out, targets[k])}, so one would be written"
+                _refuse(out, targets[i], f"{why} over the other. Give each its own memory.")
         active.append((end, i))
     return spans
-
-
-def _read_first(sources: list[torch.Tensor], targets: list[torch.Tensor], read: _Read, out: Any) -> list[torch.Tensor]:
-    """``sources``, each that shares memory with a target copied first, so every pair copies as if all sources were
-    read before anything is written (a swap, a rolling buffer); ValueError where two targets share memory
-    (``apart``)."""
-    spans = apart(targets, out)
-    if not spans or (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
-        return sources
-    starts = [start for start, _, _ in spans]
-    reach = list(itertools.accumulate([end for _, end, _ in spans], max))  # the furthest any target up to here ends
-    fresh = list(sources)
-    for start, end, i in _spans(sources, once=False):  # every place a source is read from
-        k = bisect.bisect_left(starts, end) - 1  # the last target starting before this source ends
-        if k >= 0 and reach[k] > start:
-            fresh[i] = sources[i].clone()
-    return fresh
 
 
 # ---------------------------------------------------------------- pairing the two structures
@@ -195,22 +181,17 @@ def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Te
     except (KeyError, TypeError):  # a key out has not, or an unhashable one: pairs() names it
         return None
     sources = list(batch.values())
-    if set(map(type, sources)) != {_Tensor} or set(map(type, targets)) != {_Tensor}:
-        return None
-    return sources, targets
+    return (sources, targets) if set(map(type, sources)) == set(map(type, targets)) == {_Tensor} else None
 
 
 def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torch.Tensor]:
-    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order.
-
-    Raises:
-        ValueError: the structures differ; the message names the first path where they do.
-    """
+    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order;
+    ValueError naming the first path where the structures differ."""
     found: list[torch.Tensor] = []
     try:
         _pair(batch, out, found, skip)
     except _Mismatch as m:
-        msg = f"Cannot copy into out: at {_walk.format_path(m.path)}, {m.why} Nothing was copied."
+        msg = f"Cannot copy into out: at {_walk.format_path(m.path)}, {m.args[0]} Nothing was copied."
         raise ValueError(msg) from None
     except RecursionError:
         msg = "Cannot copy into out: the batch is nested deeper than Python's recursion limit, or contains itself."
@@ -221,28 +202,22 @@ def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torc
 
 
 def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
-    code = _code(a)
+    code = _tree.kind_of(type(a)).code
     if code == _tree.TENSOR:
         if not isinstance(b, torch.Tensor):
             raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has a {_walk.describe(a)}.")
         found.append(a)
         found.append(b)
-        return
-    if code == _tree.NODE:
+    elif code == _tree.NODE:
         _pair_children(a, b, found, skip)
-        return
-    if code in (_tree.TO, _tree.PACKED):
+    elif code in (_tree.TO, _tree.PACKED):
         why = "an object with its own .to()" if code == _tree.TO else "a PackedBatch (unpack it first)"
         raise _Mismatch(
             f"the batch holds {_walk.describe(a)}, {why}, whose tensors out= cannot pair with out's. "
             f"Register its type with todevice.register(), or pass skip_keys."
         )
-    if _code(b) in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
+    elif _tree.kind_of(type(b)).code in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
         raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has {_walk.describe(a)}.")
-
-
-def _code(x: Any) -> int:
-    return _tree.kind_of(type(x)).code
 
 
 def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
@@ -260,25 +235,31 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     positional = type(a) is list or type(a) is tuple
     if (positional or kind.keys is None) and len(theirs) != len(children):
         raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
-    if positional or (not skip and kind.keys is not None and _same_keys(kind, aux, their_aux)):
-        paired: Any = zip(range(len(children)), children, theirs)  # by position: the very same keys, in order
+    if not positional and not skip and kind.keys is not None:
+        # The very same key objects on both sides, in the same order, and every child an item: they pair by position.
+        # Equal keys that are other objects pair by ``_labels``, as a dict would find them.
+        keys, their_keys = kind.keys(aux), kind.keys(their_aux)
+        positional = (
+            len(keys) == len(their_keys)
+            and all(map(operator.is_, keys, their_keys))
+            and not any(map(operator.is_, keys, itertools.repeat(_tree._NO_KEY)))
+        )
+    if positional:
+        paired: Any = zip(range(len(children)), children, theirs)
     else:
         mine = _labels(kind, aux, len(children), skip)
-        wanted = [label for label in mine if label[0] is not _SKIPPED]
-        offered = {
-            label: w
-            for label, w in zip(_labels(kind, their_aux, len(theirs), skip), theirs)
-            if label[0] is not _SKIPPED
-        }
-        if len(wanted) != len(offered) or any(label not in offered for label in wanted):
+        wanted = [label for label in mine if label is not None]
+        labels = _labels(kind, their_aux, len(theirs), skip)
+        offered = {label: w for label, w in zip(labels, theirs) if label is not None}
+        absent = [label for label in wanted if label not in offered]
+        if absent or len(wanted) != len(offered):
             known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
-            missing = [label[1] for label in wanted if label not in offered]
-            extra = [label[1] for label in offered if label not in known]
-            what = "the keys differ: " if any(label[0] is _KEY for label in (*wanted, *offered)) else ""
+            missing, extra = [label[1] for label in absent], [label[1] for label in offered if label not in known]
+            what = "the keys differ: " if any(label[0] == "key" for label in (*wanted, *offered)) else ""
             raise _Mismatch(
                 f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
             )
-        paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label[0] is not _SKIPPED)
+        paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
     for i, v, w in paired:
         if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
             found.append(v)
@@ -291,26 +272,12 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
             raise
 
 
-def _same_keys(kind: _tree.Kind, aux: Any, their_aux: Any) -> bool:
-    """Whether both sides hold the very same key objects, in the same order, and every child is an item: then they
-    pair by position. Equal keys that are other objects pair by ``_labels``, as a dict would find them."""
-    keys, theirs = kind.keys(aux), kind.keys(their_aux)  # type: ignore[misc]
-    return (
-        len(keys) == len(theirs)
-        and all(map(operator.is_, keys, theirs))
-        and not any(map(operator.is_, keys, itertools.repeat(_tree._NO_KEY)))
-    )
-
-
-_KEY, _ENTRY, _SKIPPED = "key", "entry", "skipped"
-
-
-def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any]]:
-    """What pairs each child: a mapping's item by its key, anything else by its path entry; an item under a key in
-    ``skip`` is labelled so, and need not be on both sides."""
+def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any] | None]:
+    """What pairs each child: a mapping's item its key, anything else its path entry; None for an item under a key in
+    ``skip``, which need not be on both sides."""
     keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
     return [
-        (_ENTRY, kind.entry(aux, i)) if k is _tree._NO_KEY else (_SKIPPED if skip and k in skip else _KEY, k)  # type: ignore[misc]
+        ("entry", kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else ("key", k)  # type: ignore[misc]
         for i, k in enumerate(keys)
     ]
 
@@ -336,15 +303,12 @@ class _Read(NamedTuple):
 def _check_pairs(
     sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
 ) -> _Read:
-    """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written.
-
-    Each property is read in one C loop; the pair at fault is looked for only when there is one.
-    """
+    """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written. Each
+    property is read in one C loop; the pair at fault is looked for, pair by pair, only when there is one."""
     read: _Read | None = None
     try:
-        got = _read(sources, targets)
-        same_shapes = got.shapes == list(map(_shape, sources))
-        read = got
+        read = _read(sources, targets)
+        same_shapes = read.shapes == list(map(_shape, sources))
     except RuntimeError:  # a strided nested tensor has no shape: no dense tensor to copy
         same_shapes = False
     if (
@@ -361,34 +325,6 @@ def _check_pairs(
         and _writable(targets)
     ):
         return read
-    _fault(sources, targets, out, dev, dtype)  # the first pair that cannot be copied: its path, in a ValueError
-    return read if read is not None else _read(sources, targets)
-
-
-def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
-    """What the copies read of every pair, each property in one C loop."""
-    return _Read(
-        list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources)), list(map(_nbytes, sources))
-    )
-
-
-def _writable(targets: list[torch.Tensor]) -> bool:
-    """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
-    return (
-        set(map(_layout_of, targets)) == {torch.strided}
-        and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
-        and (all(map(_Tensor.is_contiguous, targets)) or not any(map(_overlaps_itself, targets)))
-    )
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:  # an expanded view: one element at several places
-    return bool(torch._debug_has_internal_overlap(t) == 1)
-
-
-def _fault(
-    sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
-) -> None:
-    """Raise ValueError for the first pair that cannot be copied, naming its path in ``out``."""
     seen: dict[int, torch.Tensor] = {}
     for src, dst in zip(sources, targets):
         why = None
@@ -412,33 +348,45 @@ def _fault(
             why = "out holds this very tensor at two places where the batch holds two different tensors."
         if why is not None:
             _refuse(out, dst, why)
+    return read or _read(sources, targets)
 
 
-def _refuse(out: Any, dst: torch.Tensor, why: str) -> None:
-    """The ValueError for a pair that cannot be copied, naming the path of its target in ``out``."""
-    path = _walk.format_path(_walk.find_path(out, dst) or "")
-    msg = f"Cannot copy into out: at {path}, {why} Nothing was copied."
-    raise ValueError(msg)
+def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
+    return _Read(
+        list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources)), list(map(_nbytes, sources))
+    )
+
+
+def _writable(targets: list[torch.Tensor]) -> bool:
+    """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
+    return (
+        set(map(_layout_of, targets)) == {torch.strided}
+        and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
+        and (all(map(_Tensor.is_contiguous, targets)) or not any(map(_overlaps_itself, targets)))
+    )
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:  # an expanded view: one element at several places
+    return bool(torch._debug_has_internal_overlap(t) == 1)
 
 
 def _target_fault(dst: torch.Tensor) -> str | None:
     """Why ``copy_`` cannot write ``dst`` here, or None."""
     if not _tree.has_memory(dst):
         return f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is not a dense tensor."
-    if not _writable([dst]):
-        return (
-            f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is sparse, an expanded "
-            f"view whose elements share memory, or an inference tensor outside torch.inference_mode()."
-        )
-    return None
+    if _writable([dst]):
+        return None
+    return (
+        f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is sparse, an expanded "
+        f"view whose elements share memory, or an inference tensor outside torch.inference_mode()."
+    )
 
 
 def check_targets(targets: list[torch.Tensor], out: Any) -> None:
     """What out= checks of its targets alone, each named by its path in ``out`` in a ValueError: each can be written
     in place here, and no two share memory."""
     for dst in targets:
-        why = _target_fault(dst)
-        if why is not None:
+        if (why := _target_fault(dst)) is not None:
             _refuse(out, dst, why)
     apart(targets, out)
 
@@ -452,7 +400,9 @@ def _write_pairs(
     coalesce: bool,
     max_bytes: int,
 ) -> None:
-    """The copies, on the current stream: the small host tensors together, the rest alone."""
+    """The copies, on the current stream: large or device tensors each alone; the small host tensors together, in one
+    copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``, else in
+    one C++ loop into host memory, or from one staging buffer (page-locked for an accelerator) with a copy each."""
     small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
     lay = None
     every = len(small) == len(sources)
@@ -465,17 +415,32 @@ def _write_pairs(
     if not every:
         together = set(small)
         for i, (src, dst) in enumerate(zip(sources, targets)):
-            if i in together:
-                continue
-            try:
-                _alone(src, dst, non_blocking)
-            except Exception as err:
-                path = _walk.format_path(_walk.find_path(out, dst) or "")
-                _walk.raise_with_message(err, f"Cannot copy into out at {path} ({_walk.describe(src)}): {err}")
-    if lay is not None:
-        if not every:
-            sources, targets = _pick(sources, small), _pick(targets, small)
-        _together(sources, targets, lay, non_blocking, _step._one_span(targets, lay, coalesce))
+            if i not in together:
+                try:
+                    _alone(src, dst, non_blocking)
+                except Exception as err:
+                    where = f"{_path(out, dst)} ({_walk.describe(src)})"
+                    _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
+        sources, targets = _pick(sources, small), _pick(targets, small)
+    if lay is None:
+        return
+    span = _step._one_span(targets, lay, coalesce)
+    if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
+        for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
+            dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
+    elif span is None and all(map(_is_cpu, targets)):
+        torch._foreach_copy_(targets, sources)
+    elif span is not None and targets[0].is_cpu:
+        _layout.write(span, lay, sources)  # each target's bytes only
+        _step.written(targets)
+    else:
+        staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
+        _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
+        if span is None:
+            torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
+        else:
+            _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
+            _step.written(targets)
 
 
 def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
@@ -489,38 +454,3 @@ def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
         and _layout.send_staged([(src, dst)])
     ):
         dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dev, src, waited=False))
-
-
-def _together(
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    lay: _layout.Layout,
-    non_blocking: bool,
-    span: torch.Tensor | None,
-) -> None:
-    """Small host tensors, copied together: in one copy (one per group where the layout has padding) where the targets
-    are one buffer laid out as ``lay``.
-
-    Into host memory they are written straight into that buffer, or copied in one C++ loop. Anywhere
-    else they are written into one staging buffer first (page-locked for an accelerator), which is
-    sent with one copy, or cut into tensors that each go with a copy of their own.
-    """
-    if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
-        for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
-            dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
-        return
-    on_host = targets[0].is_cpu
-    if span is not None and on_host:
-        _layout.write(span, lay, sources)  # each target's bytes only
-        _step.written(targets)
-        return
-    if span is None and all(map(_is_cpu, targets)):
-        torch._foreach_copy_(targets, sources)
-        return
-    staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
-    _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
-    if span is not None:
-        _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
-        _step.written(targets)
-    else:
-        torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)

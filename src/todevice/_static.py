@@ -250,27 +250,18 @@ def _one_counter(buffers: Any) -> Any:
         if id(t) not in made:
             if not bases:  # a view of the first tensor over the whole storage, whose counter every view then shares
                 bases[torch.uint8] = _step._bytes(t, t.untyped_storage().nbytes(), 0)
-            base = bases.get(t.dtype)
-            if base is None:
-                base = bases[t.dtype] = bases[torch.uint8].view(t.dtype)
-            v = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            if t.dtype not in bases:
+                bases[t.dtype] = bases[torch.uint8].view(t.dtype)
+            v = bases[t.dtype].as_strided(t.shape, t.stride(), t.storage_offset())
             if not t.data_ptr() or v.data_ptr() != t.data_ptr():
                 raise _Unseen
             made[id(t)] = v
         return made[id(t)]
 
     try:
-        return _walk.make(_never, view, _as_it_is, _tree.kind_of).walk(buffers, None)
+        return _walk.make(lambda t: False, view, lambda x, code, state: x, _tree.kind_of).walk(buffers, None)
     except _Unseen:
         return buffers
 
 
 class _Unseen(Exception): ...  # a remade view not at its tensor's address
-
-
-def _never(t: torch.Tensor) -> bool:
-    return False
-
-
-def _as_it_is(x: Any, code: int, state: Any) -> Any:
-    return x

@@ -25,12 +25,8 @@ _pick, _data_ptr = _layout.pick, _Tensor.data_ptr
 
 
 class Step(NamedTuple):
-    """A step into targets that are views of one buffer laid out as coalescing lays it out: what it reads of them.
-
-    That layout proves what the full check reads target by target: the targets are plain, contiguous, distinct,
-    apart from each other and on one device. ``move(batch, out=static)`` finds it on every call; a StaticBatch
-    holds it.
-    """
+    """A step into targets that are views of one buffer laid out as coalescing lays it out, a layout that proves what
+    the full check reads target by target: they are plain, contiguous, distinct, apart and on one device."""
 
     lay: _layout.Layout
     span: torch.Tensor  # the targets' bytes
@@ -68,26 +64,17 @@ def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -
         n, read = (g.n, 1) if isinstance(g, _layout.Block) else (len(g.shapes), len(g.shapes))
         probe.extend(lay.walk_order[k : k + read])
         k += n
+    inference, grad = any(map(_Tensor.is_inference, targets)), any(map(_grad, targets))
     return Step(
-        lay,
-        span,
-        owned or _layout.tight(lay),
-        dtypes,
-        tuple(probe),
-        _pick(shapes, probe),
-        any(map(_Tensor.is_inference, targets)),
-        any(map(_grad, targets)),
-        targets,
+        lay, span, owned or _layout.tight(lay), dtypes, tuple(probe), _pick(shapes, probe), inference, grad, targets
     )
 
 
 def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any = None) -> bool:
     """The one-buffer step: each source's type and dtype read, and the shape, device and requires_grad of a few; the
     sources written into one staging buffer (``held``: a host one and its regions, for host targets), then sent
-    into the targets. False, with no target written, where the full check is to run and name what differs.
-
-    Every source is read before a target is written, so sources over the targets copy as if read first.
-    """
+    into the targets. False, with no target written, where the full check is to run and name what differs. Every
+    source is read before a target is written, so sources over the targets copy as if read first."""
     if set(map(type, sources)) != {_Tensor} or list(map(_dtype, sources)) != step.dtypes:
         return False
     probed = _pick(sources, step.probe)
@@ -102,11 +89,10 @@ def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any =
             return False
     except RuntimeError:  # a strided nested tensor has no shape
         return False
-    if held is not None:
-        staging, pinned, regions = held
-    else:
+    if held is None:
         staging, pinned = _layout.staging(step.lay.nbytes, step.span.device, pinned=non_blocking)
-        regions = _layout._regions(staging, step.lay)
+        held = staging, pinned, _layout._regions(staging, step.lay)
+    staging, pinned, regions = held
     try:
         # Written with grad mode as it is: a block's stack(out=) refuses a source requiring grad, another device or
         # layout, and its fallback's copy of one marks the block's region, read once here instead of every source's
@@ -128,9 +114,7 @@ def written(targets: list[torch.Tensor], inference: bool | None = None) -> None:
     ``todevice.static()``'s) each have their own. A tensor saved for a backward pass then fails it, as it should,
     rather than giving gradients of the new values. 80 ns a tensor on a 2-core x86 host. An inference tensor has no
     version counter: none is marked where one is among them (``inference``, when known)."""
-    if inference is None:
-        inference = any(map(_Tensor.is_inference, targets))
-    if inference:
+    if inference or (inference is None and any(map(_Tensor.is_inference, targets))):
         return
     if _BUMPS_LISTS:
         torch._C._increment_version(targets)
@@ -139,15 +123,11 @@ def written(targets: list[torch.Tensor], inference: bool | None = None) -> None:
             torch._C._increment_version(t)
 
 
-def _bumps_lists() -> bool:
-    try:  # torch 2.4 bumps one tensor a call, and raises RuntimeError for a list
-        torch._C._increment_version([torch.empty(0)])
-    except (TypeError, RuntimeError):
-        return False
-    return True
-
-
-_BUMPS_LISTS = _bumps_lists()
+try:  # torch 2.4 bumps one tensor a call, and raises RuntimeError for a list
+    torch._C._increment_version([torch.empty(0)])
+    _BUMPS_LISTS = True
+except (TypeError, RuntimeError):
+    _BUMPS_LISTS = False
 
 
 def send(
@@ -171,25 +151,20 @@ def send(
 
 
 def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) -> torch.Tensor | None:
-    """The one buffer the targets are views of, laid out as ``lay`` (``_span``), where a copy per group may write
-    them all; None with coalesce=False, or where a target is lazily conjugated or negated (each is copied as it is).
-    Only a complex target can be conjugated: the layout's dtypes, the targets', say whether any is."""
+    """``_span``, or None with coalesce=False or where a target is lazily conjugated or negated (each is copied as it
+    is; only a complex one can be conjugated, which the layout's dtypes, the targets', tell)."""
     if not coalesce or any(map(_Tensor.is_neg, targets)):
         return None
-    if any(g.final.is_complex for g in lay.groups) and any(map(_Tensor.is_conj, targets)):
-        return None
-    return _span(targets, lay)
+    conjugated = any(g.final.is_complex for g in lay.groups) and any(map(_Tensor.is_conj, targets))
+    return None if conjugated else _span(targets, lay)
 
 
 def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
-    """A byte view of the one buffer all ``targets`` are views of, where ``lay`` puts each, or None.
-
-    Every target must be a plain contiguous tensor at its layout offset from one base, inside the
-    first one's storage. The span holds each target's bytes and the alignment padding between them
-    (under ``_layout.ALIGN`` bytes each), which may be another tensor's: the targets may be columns of a
-    larger one. One copy of the whole span is made only where the layout has no padding (``_layout.tight``)
-    or the buffer was made for the targets alone (``todevice.static()``).
-    """
+    """A byte view of the one buffer all ``targets`` are views of, each a plain contiguous tensor where ``lay`` puts it
+    from one base inside the first one's storage; or None. The alignment padding between them (under
+    ``_layout.ALIGN`` bytes each) may be another tensor's, the targets being columns of a larger one: one copy of the
+    whole span is made only where the layout has none (``_layout.tight``) or the buffer was made for the targets
+    alone (``todevice.static()``)."""
     first = targets[0]
     offsets = _offsets(lay)
     base = first.storage_offset() * first.element_size() - offsets[0]
