@@ -91,11 +91,8 @@ def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.d
 
 @functools.lru_cache(maxsize=64)  # a training loop cycles through a few structures
 def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast: torch.dtype | None) -> Layout:
-    """The layout for tensors of these dtypes and shapes, in walk order.
-
-    Raises:
-        TypeError: a dtype that a byte buffer does not hold exactly (a quantized one, say).
-    """
+    """The layout for tensors of these dtypes and shapes, in walk order; TypeError for a dtype that a byte buffer does
+    not hold exactly (a quantized one, say)."""
     if not _tree.DENSE_DTYPES.issuperset(dtypes):  # checked here, so a signature laid out before skips the check
         msg = f"Cannot lay out {sorted(map(str, set(dtypes) - _tree.DENSE_DTYPES))} in a byte buffer."
         raise TypeError(msg)
@@ -124,24 +121,16 @@ def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast
         groups.append(Ragged(stored, final, shapes_once, pads, offset, nbytes))
         offset += nbytes
         walk_order.extend(k for _, k in entries)
-    order = [0] * len(walk_order)
-    for i, k in enumerate(walk_order):
-        order[k] = i
+    order = sorted(range(len(walk_order)), key=walk_order.__getitem__)  # the inverse of walk_order
     return Layout(tuple(groups), offset, tuple(order), tuple(walk_order), walk_order == sorted(walk_order))
 
 
 @functools.lru_cache(maxsize=32)
 def _templates(group: Ragged) -> list[torch.Tensor]:
-    """Meta tensors shaped like each tensor and its padding, for ``unflatten_dense_tensors``.
-
-    Two small tensor objects per ragged tensor: 32 groups, as many as the layouts a loop cycles
-    through, not 256, which held ~220 MB for batches whose 1,000 shapes changed every time.
-    """
-    out: list[torch.Tensor] = []
-    for shape, pad in zip(group.shapes, group.pads):
-        out.append(torch.empty(shape, dtype=group.dtype, device="meta"))
-        out.append(torch.empty(pad, dtype=group.dtype, device="meta"))
-    return out
+    """Meta tensors shaped like each tensor and its padding, for ``unflatten_dense_tensors``. Two small tensor objects
+    per ragged tensor: 32 groups, as many as the layouts a loop cycles through, not 256, which held ~220 MB for batches
+    whose 1,000 shapes changed every time."""
+    return [torch.empty(n, dtype=group.dtype, device="meta") for pair in zip(group.shapes, group.pads) for n in pair]
 
 
 # Whether unflatten_dense_tensors gives an empty tensor its template's shape: torch 2.8 and older give (0,) whatever
@@ -167,11 +156,10 @@ def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torc
 @functools.lru_cache(maxsize=1024)
 def _block_strides(shape: torch.Size, padded: int) -> tuple[int, ...]:
     """Strides of a block: ``padded`` elements from one tensor to the next, each tensor contiguous."""
-    strides = [padded]
     inner = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         inner[d] = inner[d + 1] * shape[d + 1]
-    return tuple(strides + inner)
+    return (padded, *inner)
 
 
 def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tuple[Block | Ragged, torch.Tensor]]:
@@ -186,10 +174,9 @@ def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tu
             typed, offset = typed[g.start // size :], None
         else:
             offset = typed.storage_offset() + g.start // size
-        if type(g) is Block:
+        if isinstance(g, Block):
             out.append((g, typed.as_strided((g.n, *g.shape), strides(g.shape, g.padded), offset)))
         else:
-            assert type(g) is Ragged
             out.append((g, typed.as_strided((g.nbytes // size,), (1,), offset)))
     return out
 
@@ -205,14 +192,12 @@ def write(
     tensors = walked if lay.in_order else pick(walked, lay.walk_order)
     k = 0
     for g, region in _regions(buffer, lay) if regions is None else regions:
-        if type(g) is Ragged:
-            group = list(tensors[k : k + len(g.shapes)])
-            k += len(group)
+        n = len(g.shapes) if isinstance(g, Ragged) else g.n
+        group = list(tensors[k : k + n])
+        k += n
+        if isinstance(g, Ragged):
             torch._foreach_copy_(_cut(region, g), group)
             continue
-        assert type(g) is Block
-        group = list(tensors[k : k + g.n])
-        k += g.n
         if region.is_contiguous():
             try:
                 torch.stack(group, out=region)
@@ -230,10 +215,8 @@ _below_autograd_views: Callable[[], Any] = getattr(
 
 
 def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) -> torch.Tensor:
-    """``tensors`` (in walk order, all on ``dev``) written into one new byte buffer there: a kernel or two per group.
-
-    Below autograd, as :func:`read` cuts: no tensor written needs grad, and the buffer is copied away at once.
-    """
+    """``tensors`` (in walk order, all on ``dev``) written into one new byte buffer there: a kernel or two per group;
+    below autograd, as :func:`read` cuts: no tensor written needs grad, and the buffer is copied away at once."""
     with _below_autograd_views():
         buffer = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
         write(buffer, lay, tensors)
@@ -289,11 +272,8 @@ def landed(buffer: torch.Tensor) -> torch.Tensor:
 def read(
     buffer: torch.Tensor, lay: Layout, cast: torch.dtype | None = None, made: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
-    """The packed tensors, in walk order, sharing ``buffer``'s memory (or one cast copy's per group).
-
-    ``cast`` turns floating-point and complex groups into that dtype; every tensor made for a cast is
-    appended to ``made``, so a side stream's caller can record it.
-    """
+    """The packed tensors, in walk order, sharing ``buffer``'s memory (or one cast copy's per group). ``cast`` turns
+    floating-point and complex groups into that dtype; each tensor made for it is appended to ``made``, to record."""
     views: list[torch.Tensor] = []
     traced = torch.compiler.is_dynamo_compiling()
     for g, region in _regions(buffer, lay, traced):
@@ -302,17 +282,15 @@ def read(
             region = region.to(final)  # one cast per group, on the receiving side
             if made is not None:
                 made.append(region)
-        # Cut below autograd's view tracking: each tensor comes out as a plain tensor over its part
-        # of the memory, as independent as one from .to(). Views would share one version counter,
-        # so an in-place change to one tensor of the batch would fail the backward pass of any other
-        # saved for it ("modified by an inplace operation"), and unbind()'s views also refuse
-        # in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the cheaper way
-        # too: no autograd metadata, and no detach() after.
+        # Cut below autograd's view tracking: each tensor comes out as a plain tensor over its part of the memory, as
+        # independent as one from .to(). Views would share one version counter, so an in-place change to one tensor of
+        # the batch would fail the backward pass of any other saved for it ("modified by an inplace operation"), and
+        # unbind()'s views also refuse in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the
+        # cheaper way too: no autograd metadata, and no detach() after.
         with contextlib.nullcontext() if traced else _below_autograd_views():  # which dynamo does not trace
-            if type(g) is Block:  # under dynamo a slice each: unbind's views refuse in-place changes with autograd
+            if isinstance(g, Block):  # under dynamo a slice each: unbind's views refuse in-place changes with autograd
                 views.extend([region[i] for i in range(g.n)] if traced else region.unbind(0))
             else:
-                assert type(g) is Ragged
                 views.extend(_cut(region, g, traced))
     return views if lay.in_order else pick(views, lay.order)
 
@@ -322,12 +300,11 @@ def read(
 # Every threshold below rests on figures measured on one H100 with torch 2.11 (bench/README.md, "Host to
 # device: the measured facts the plan rests on").
 #
-# A copy from pageable host memory with non_blocking=True: the driver copies the source into staging
-# memory of its own and returns at once while little is pending, and only past that waits for every
-# kernel queued on the stream. With 20 ms of work queued the host did not wait for one tensor of up to
-# 2 MiB, for 8 of 32 KiB (256 KiB in all), or (with 5 ms queued) for 3 of 128 KiB (384 KiB); it waited
-# the whole 20 ms for one of 4 MiB and for 8 of 128 KiB (1 MiB). Below these, staging through pinned
-# memory buys nothing and costs a pinned allocation and a host memcpy.
+# A copy from pageable host memory with non_blocking=True: the driver copies the source into staging memory of its own
+# and returns at once while little is pending, and only past that waits for every kernel queued on the stream. With
+# 20 ms of work queued the host did not wait for one tensor of up to 2 MiB, for 8 of 32 KiB (256 KiB in all), or (with
+# 5 ms queued) for 3 of 128 KiB (384 KiB); it waited the whole 20 ms for one of 4 MiB and for 8 of 128 KiB (1 MiB).
+# Below these, staging through pinned memory buys nothing and costs a pinned allocation and a host memcpy.
 PAGEABLE_DIRECT_MAX_BYTES = 384 * 1024  # several tensors, all in all
 PAGEABLE_DIRECT_MAX_BYTES_ONE = 2 * 1024 * 1024  # a tensor alone
 
@@ -388,14 +365,11 @@ class Sending(NamedTuple):
 
 
 def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce: bool | None) -> Sending:
-    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others.
-
-    ``coalesce``, the caller's option: None lets the count decide, True coalesces any number, False none.
-    Whatever is not coalesced is copied alone, straight from where it is while the driver copies that
-    much without waiting (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer.
-    Pinned tensors count here as pageable: telling them apart costs a call each, and they are sent as
-    they are anyway.
-    """
+    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others. ``coalesce``, the
+    caller's option: None lets the count decide, True coalesces any number, False none. Whatever is not coalesced is
+    copied alone, straight from where it is while the driver copies that much without waiting
+    (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer. Pinned tensors count here as
+    pageable: telling them apart costs a call each, and they are sent as they are anyway."""
     together = small > 0 and (small >= COALESCE_MIN_TENSORS if coalesce is None else coalesce)
     if not together:
         alone, alone_bytes = alone + small, alone_bytes + small_bytes
@@ -434,15 +408,12 @@ def stageable(t: torch.Tensor) -> bool:
 
 
 def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Copy each :func:`stageable` host source into its target, dense on one accelerator, through one pinned buffer.
-
-    One allocation from the caching host allocator for all of them (which hands the block out again once
-    the copies from it have finished), one host memcpy and one asynchronous copy each, and no wait: the
-    host returns once the copies are queued. A tensor over ``STAGE_CHUNK_BYTES`` laid out as its target (dense,
-    with the target's strides, as ``stage()`` makes targets) is written and sent in pieces of that size, each
-    piece's copy queued before the next is written. A cast is made on the side with fewer bytes. False, with
-    nothing copied, where no pinned memory could be had.
-    """
+    """Copy each :func:`stageable` host source into its target, dense on one accelerator, through one pinned buffer. One
+    allocation from the caching host allocator for all of them (which hands the block out again once the copies from it
+    have finished), one host memcpy and one asynchronous copy each, and no wait: the host returns once the copies are
+    queued. A tensor over ``STAGE_CHUNK_BYTES`` laid out as its target (dense, with the target's strides, as ``stage()``
+    makes targets) is written and sent in pieces of that size, each piece's copy queued before the next is written. A
+    cast is made on the side with fewer bytes. False, with nothing copied, where no pinned memory could be had."""
     plan: list[tuple[int, torch.dtype]] = []
     total = 0
     for src, out in pairs:
@@ -476,15 +447,12 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 
 def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-    """The pageable ones of ``tensors`` copied to ``dev`` through one pinned buffer, if there are more bytes of
-    them than the driver copies without waiting; by id of their source.
-
-    Pinned tensors are left out (they are sent as they are), and so are those :func:`stageable` refuses, a
-    tensor over the same memory as one staged already (its copy is a view of that one's, as the walk makes
-    it), and those past ``STAGE_MAX_BYTES``. The copies are cast to ``dtype`` where move() casts, and keep a
-    dense source's strides, as ``.to()`` does. Empty where staging does not pay or fails (no pinned memory,
-    no room on the device): each tensor is then copied by itself, and an error names its path.
-    """
+    """The pageable ones of ``tensors`` copied to ``dev`` through one pinned buffer, if there are more bytes of them
+    than the driver copies without waiting; by id of their source. Pinned tensors are left out (they are sent as they
+    are), and so are those :func:`stageable` refuses, a tensor over the same memory as one staged already (its copy is a
+    view of that one's, as the walk makes it), and those past ``STAGE_MAX_BYTES``. The copies are cast to ``dtype``
+    where move() casts, and keep a dense source's strides, as ``.to()`` does. Empty where staging does not pay or fails
+    (no pinned memory, no room on the device): each tensor is then copied by itself, and an error names its path."""
     pageable: list[torch.Tensor] = []
     seen = _walk.Seen()
     total = 0
@@ -496,12 +464,10 @@ def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype
         total += t.nbytes
     if not sending(0, 0, len(pageable), total, False).staged:
         return {}
-    try:
+    with contextlib.suppress(Exception):  # each is copied by itself, and its error names its path
         pairs = [(t, torch.empty_like(t, dtype=_options.cast_to(t.dtype, dtype), device=dev)) for t in pageable]
         if send_staged(pairs):
             return {id(t): out for t, out in pairs}
-    except Exception:  # each is copied by itself, and its error names its path
-        pass
     return {}
 
 
@@ -559,11 +525,8 @@ class _Taking:
 
 
 def _take(t: torch.Tensor, s: _Taking) -> Any:
-    """The optimistic take: a slot for every plain tensor on the side taken from (up to ``max_bytes``;
-    needing grad if ``grad``).
-
-    Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk.
-    """
+    """The optimistic take: a slot for every plain tensor on the side taken from (up to ``max_bytes``; needing grad if
+    ``grad``). Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk."""
     if type(t) is not _Tensor or t.is_cpu is s.devices:
         s.loose.append(t)
         return t
@@ -655,12 +618,8 @@ class Taken(NamedTuple):
 
 def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False) -> Taken:
     """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``) by
-    ``walks`` (``takes``): with their ``devices``, every such tensor that is not on the host instead, whatever its
-    device.
-
-    Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
-    a registered flatten.
-    """
+    ``walks`` (``takes``): with their ``devices``, every such tensor off the host instead. Raises what the walk raises:
+    ``RecursionError`` for deep or cyclic structures, ``LeafError`` from a registered flatten."""
     optimistic, careful, devices = walks
     taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
@@ -670,12 +629,9 @@ def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
         if len(set(map(_data_ptr, tensors))) == len(tensors):
-            lay = layout_for(tensors, cast)
-            return Taken(skeleton, tensors, lay, taking.loose, taking.alone)
+            return Taken(skeleton, tensors, layout_for(tensors, cast), taking.loose, taking.alone)
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad, devices)
     skeleton = careful.walk(obj, taking)
-    tensors = taking.tensors
-    lay = layout_for(tensors, cast)
-    return Taken(skeleton, tensors, lay, taking.loose, taking.alone)
+    return Taken(skeleton, taking.tensors, layout_for(taking.tensors, cast), taking.loose, taking.alone)
