@@ -84,7 +84,9 @@ class collate:  # named like a function: it stands where a collate_fn goes
                 if isinstance(fn, (list, tuple))
                 else " Pass a function that collates a list of samples, or None for torch's default_collate."
             )
-            msg = f"Cannot make todevice.collate(collate_fn={_short(fn)}): collate_fn is not callable.{hint}"
+            text = repr(fn)
+            short = text if len(text) <= 60 else f"{text[:57]}..."
+            msg = f"Cannot make todevice.collate(collate_fn={short}): collate_fn is not callable.{hint}"
             raise TypeError(msg)
         if device is not None:
             _options.check(device, True, None)  # a bad device fails here, not later inside a worker
@@ -95,23 +97,11 @@ class collate:  # named like a function: it stands where a collate_fn goes
         return f"todevice.collate({self.collate_fn!r}, device={self.device!r})"
 
     def __call__(self, samples: list[Any]) -> Any:
-        in_worker = torch.utils.data.get_worker_info() is not None
-        if self.collate_fn is not None:
-            batch = self.collate_fn(samples)
-        elif in_worker:
-            batch = _default_collate_for_packing(samples)
-        else:
-            batch = torch.utils.data.default_collate(samples)
-        if in_worker:
-            return _pack.pack(batch, shared=True)
-        if self.device is not None:
-            return _move.move(batch, self.device)
-        return batch
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
+        if torch.utils.data.get_worker_info() is not None:
+            fn = _default_collate_for_packing if self.collate_fn is None else self.collate_fn
+            return _pack.pack(fn(samples), shared=True)
+        batch = torch.utils.data.default_collate(samples) if self.collate_fn is None else self.collate_fn(samples)
+        return batch if self.device is None else _move.move(batch, self.device)
 
 
 class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a loop header
@@ -173,26 +163,16 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
     def __repr__(self) -> str:
         return f"todevice.prefetch({self.iterable!r}, {str(self.device)!r}, depth={self.depth})"
 
-    def _side_stream(self) -> torch.Stream | None:
-        """The side stream, made once; None where the device has no streams."""
-        if self._side is None and _stream.is_accelerator(self.device):
-            self._side = torch.Stream(device=self.device)
-        return self._side
-
     def __iter__(self) -> Iterator[B]:
-        side = self._side_stream()
-        if side is None:
-            return self._plain()
-        return self._ahead(side)
+        if self._side is None and _stream.is_accelerator(self.device):
+            self._side = torch.Stream(device=self.device)  # made once; None where the device has no streams
+        return self._plain() if self._side is None else self._ahead(self._side)
 
     def _plain(self) -> Iterator[B]:
-        batch: Any
-        source = iter(self.iterable)
-        try:
-            for batch in source:
-                yield _move.move(batch, self.device, non_blocking=self.non_blocking, skip_keys=self.skip_keys)
-        finally:
-            _close(source)
+        def finish(batch: Any) -> Any:
+            return _move.move(batch, self.device, non_blocking=self.non_blocking, skip_keys=self.skip_keys)
+
+        yield from _window(iter(self.iterable), 1, lambda batch: batch, finish, lambda: None)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
         def start(batch: Any) -> tuple[Any, list[torch.Tensor], torch.Event]:
@@ -213,13 +193,11 @@ def _window(
     finish: Callable[[Any], Any],
     abandon: Callable[[], None],
 ) -> Iterator[Any]:
-    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead.
-
-    A batch is handed over first and the next one is started after, when the loop asks again: by
-    then the loop has let go of the batch before. So at most ``depth`` batches are in flight beyond
-    the one in use. An exception from ``source`` reaches the loop once the batches before it have
-    been handed over. ``abandon`` runs when the loop stops early with batches still in flight.
-    """
+    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead. A batch is handed
+    over first and the next one is started after, when the loop asks again: by then the loop has let go of the batch
+    before. So at most ``depth`` batches are in flight beyond the one in use. An exception from ``source`` reaches the
+    loop once the batches before it have been handed over. ``abandon`` runs when the loop stops early with batches still
+    in flight."""
     pending: collections.deque[Any] = collections.deque()
     failed: BaseException | None = None  # raised once the batches before it have been used
 
