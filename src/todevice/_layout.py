@@ -63,6 +63,9 @@ class Ragged(NamedTuple):
     nbytes: int
 
 
+_Regions = list[tuple[Block | Ragged, torch.Tensor]]  # each group with its part of a buffer (``_regions``)
+
+
 class Layout(NamedTuple):
     """Where every packed tensor lives in the buffer. Slot ``i`` is the ``i``-th tensor in group order."""
 
@@ -75,10 +78,7 @@ class Layout(NamedTuple):
 
 def tight(lay: Layout) -> bool:
     """Whether ``lay`` leaves no padding between its tensors: their bytes fill the buffer."""
-    return all(
-        g.padded == g.shape.numel() if type(g) is Block else not any(g.pads)  # type: ignore[union-attr]
-        for g in lay.groups
-    )
+    return all(g.padded == g.shape.numel() if isinstance(g, Block) else not any(g.pads) for g in lay.groups)
 
 
 def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
@@ -98,8 +98,7 @@ def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast
         raise TypeError(msg)
     by_key: dict[tuple[torch.dtype, torch.dtype, torch.Size], list[int]] = {}
     for k, (dtype, shape) in enumerate(zip(dtypes, shapes)):
-        stored, final = _buffer_dtype(dtype, cast)
-        by_key.setdefault((stored, final, shape), []).append(k)
+        by_key.setdefault((*_buffer_dtype(dtype, cast), shape), []).append(k)
     groups: list[Block | Ragged] = []
     walk_order: list[int] = []  # the walk's tensors, in the order the buffer holds them
     offset = 0
@@ -162,10 +161,10 @@ def _block_strides(shape: torch.Size, padded: int) -> tuple[int, ...]:
     return (padded, *inner)
 
 
-def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tuple[Block | Ragged, torch.Tensor]]:
+def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> _Regions:
     """Each group's part of ``buffer``, typed: (count, *shape) for a block, 1-D for a ragged group. ``traced``: under
     dynamo, which traces no ``storage_offset()`` (a slice has it) nor the strides' cache."""
-    out: list[tuple[Block | Ragged, torch.Tensor]] = []
+    out: _Regions = []
     strides: Callable[..., tuple[int, ...]] = _block_strides.__wrapped__ if traced else _block_strides
     for g in lay.groups:
         size = g.dtype.itemsize
@@ -181,12 +180,7 @@ def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tu
     return out
 
 
-def write(
-    buffer: torch.Tensor,
-    lay: Layout,
-    walked: Sequence[torch.Tensor],
-    regions: list[tuple[Block | Ragged, torch.Tensor]] | None = None,
-) -> None:
+def write(buffer: torch.Tensor, lay: Layout, walked: Sequence[torch.Tensor], regions: _Regions | None = None) -> None:
     """Copy ``walked`` (tensors in walk order) into ``buffer``, whose ``_regions`` may be given: one or two C++ calls
     per group."""
     tensors = walked if lay.in_order else pick(walked, lay.walk_order)
