@@ -14,6 +14,7 @@ from todevice import _move, _options, _pack, _stream, _tree
 from todevice._stream import DeviceLike
 
 B = TypeVar("B")
+_Step = Callable[[Any], Any]
 
 
 def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
@@ -42,7 +43,8 @@ def moved_on(
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
     s = _move.State(_move.plan_for(dev, non_blocking, None, skip_keys=skip))
     out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
-    copied = _stream.record_event(side, dev)
+    copied = torch.Event(device=dev)
+    copied.record(side)  # everything queued on side so far
     return s.finish(out), s.outputs(), copied
 
 
@@ -187,11 +189,7 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
 
 
 def _window(
-    source: Iterator[Any],
-    depth: int,
-    start: Callable[[Any], Any],
-    finish: Callable[[Any], Any],
-    abandon: Callable[[], None],
+    source: Iterator[Any], depth: int, start: _Step, finish: _Step, abandon: Callable[[], None]
 ) -> Iterator[Any]:
     """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead. A batch is handed
     over first and the next one is started after, when the loop asks again: by then the loop has let go of the batch
@@ -223,10 +221,6 @@ def _window(
             if pending:
                 abandon()  # a break or an error: no copy is left running behind the loop
         finally:
-            _close(source)
-
-
-def _close(source: Iterator[Any]) -> None:
-    close = getattr(source, "close", None)
-    if callable(close):
-        close()  # a generator source is finished now, not whenever it is collected
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()  # a generator source is finished now, not whenever it is collected

@@ -214,10 +214,9 @@ def no_pinned_memory() -> str | None:
 
 
 def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Page-locked host memory for a copy to ``device``, from PyTorch's caching host allocator; or None. The allocator
-    hands a block out again only once the copies recorded on it have finished, so the caller may drop the tensor as soon
-    as its copy is queued. None where the backend has no pinned memory, and where allocating it failed: that failure is
-    reported once, and the next call tries again."""
+    """Page-locked host memory for a copy to ``device`` from PyTorch's caching host allocator, which hands a block out
+    again only once the copies recorded on it have finished: the caller may drop it once its copy is queued. None where
+    the backend has no pinned memory, and where allocating it failed (reported once; the next call tries again)."""
     try:
         with on_device(device):
             return torch.empty(numel, dtype=dtype, pin_memory=True)
@@ -292,9 +291,8 @@ def leave_stream(entered: Entered) -> None:
 
 
 def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor]) -> None:
-    """Make what ``side`` copied safe to use on ``user``. ``user`` waits for the copies, and each output is recorded on
-    ``user`` so the caching allocator does not reuse its memory for ``side`` while ``user`` may still read it
-    (pytorch#23729)."""
+    """``user`` waits for what ``side`` copied, and each output is recorded on ``user``, so the caching allocator does
+    not reuse its memory for ``side`` while ``user`` may still read it (pytorch#23729)."""
     user.wait_stream(side)
     _record(outputs, user)
 
@@ -309,13 +307,6 @@ def is_accelerator(device: torch.device) -> bool:
     """Whether ``device`` is one of the current accelerator's: it has streams, events and a current index."""
     acc = accelerator()
     return acc is not None and acc.type == device.type
-
-
-def record_event(stream: torch.Stream, device: torch.device) -> torch.Event:
-    """An event marking everything queued on ``stream`` so far."""
-    event = torch.Event(device=device)
-    event.record(stream)
-    return event
 
 
 def receive(copied: torch.Event, outputs: list[torch.Tensor], device: torch.device) -> None:
