@@ -1,17 +1,15 @@
 """Many tensors in one buffer: taking them out of a structure, their layout, and writing and reading them.
 
-``take`` walks a structure once and leaves a slot where each tensor it takes was: the skeleton. It is
-optimistic: it assumes no tensor is met twice and none shares memory with another, checks that in
-bulk afterwards, and walks again carefully only when the check fails.
+``take`` walks a structure once and leaves a slot where each tensor it takes was: the skeleton. It is optimistic: it
+assumes no tensor is met twice and none shares memory with another, checks that in bulk afterwards, and walks again
+carefully only when the check fails.
 
-A layout is a pure function of the taken tensors' dtypes and shapes (and a cast), cached per
-signature. It groups the tensors by (buffer dtype, shape). A group of two or more tensors is one
-block, written with one ``torch.stack`` and cut back into tensors with one ``unbind``; tensors of a
-shape seen once share a ragged region per dtype, cut with one ``unflatten_dense_tensors``. Either way
-the per-tensor loop runs in C++: a view made from Python costs about 1.5 us here, one made inside
-``unbind`` about 0.3 us. Every tensor starts at a multiple of ``ALIGN`` bytes, so device kernels keep
-their vectorised loads, and the buffer holds the data plus that padding and nothing more.
-"""
+A layout is a pure function of the taken tensors' dtypes and shapes (and a cast), cached per signature. It groups the
+tensors by (buffer dtype, shape). A group of two or more tensors is one block, written with one ``torch.stack`` and cut
+back into tensors with one ``unbind``; tensors of a shape seen once share a ragged region per dtype, cut with one
+``unflatten_dense_tensors``. Either way the per-tensor loop runs in C++: a view made from Python costs about 1.5 us
+here, one made inside ``unbind`` about 0.3 us. Every tensor starts at a multiple of ``ALIGN`` bytes, so device kernels
+keep their vectorised loads, and the buffer holds the data plus that padding and nothing more."""
 
 from __future__ import annotations
 
@@ -91,8 +89,7 @@ def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.d
 
 @functools.lru_cache(maxsize=64)  # a training loop cycles through a few structures
 def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast: torch.dtype | None) -> Layout:
-    """The layout for tensors of these dtypes and shapes, in walk order; TypeError for a dtype that a byte buffer does
-    not hold exactly (a quantized one, say)."""
+    """The layout of tensors of these dtypes and shapes, in walk order; TypeError for a dtype no byte buffer holds."""
     if not _tree.DENSE_DTYPES.issuperset(dtypes):  # checked here, so a signature laid out before skips the check
         msg = f"Cannot lay out {sorted(map(str, set(dtypes) - _tree.DENSE_DTYPES))} in a byte buffer."
         raise TypeError(msg)
@@ -138,8 +135,7 @@ _EMPTY_KEEPS_SHAPE = torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch
 
 
 def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torch.Tensor]:
-    """A ragged region's tensors, as views, without their padding: one C++ loop; ``traced`` (under dynamo, which does
-    not trace that loop), a slice each."""
+    """A ragged region's tensors as views, unpadded: one C++ loop; a slice each if ``traced`` (dynamo traces none)."""
     if traced:
         out, at = [], 0
         for shape, pad in zip(group.shapes, group.pads):
@@ -181,8 +177,7 @@ def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> _Region
 
 
 def write(buffer: torch.Tensor, lay: Layout, walked: Sequence[torch.Tensor], regions: _Regions | None = None) -> None:
-    """Copy ``walked`` (tensors in walk order) into ``buffer``, whose ``_regions`` may be given: one or two C++ calls
-    per group."""
+    """Copy ``walked`` (in walk order) into ``buffer`` (its ``_regions`` if given): one or two C++ calls a group."""
     tensors = walked if lay.in_order else pick(walked, lay.walk_order)
     k = 0
     for g, region in _regions(buffer, lay) if regions is None else regions:
@@ -203,9 +198,7 @@ def write(buffer: torch.Tensor, lay: Layout, walked: Sequence[torch.Tensor], reg
 
 # A private guard of PyTorch's, there since 1.9 and used by its own functorch: a PyTorch without it
 # gets autograd views, as detached unbind() gave before (one version counter for the batch).
-_below_autograd_views: Callable[[], Any] = getattr(
-    torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext
-)
+_below_autograd_views = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)
 
 
 def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) -> torch.Tensor:
@@ -321,8 +314,7 @@ COALESCED_MAX_BYTES = 4 * 1024 * 1024
 def parts(
     tensors: list[torch.Tensor], lay: Layout, cast: torch.dtype | None
 ) -> list[tuple[list[torch.Tensor], Layout]]:
-    """``tensors`` (laid out as ``lay``) in runs of at most ``COALESCED_MAX_BYTES``, in walk order, each with its
-    layout: one buffer and one copy each."""
+    """``tensors`` in runs of at most ``COALESCED_MAX_BYTES``, each with its layout: one buffer and one copy each."""
     if lay.nbytes <= COALESCED_MAX_BYTES:
         return [(tensors, lay)]
     out: list[tuple[list[torch.Tensor], Layout]] = []
@@ -343,9 +335,6 @@ def layout_for(tensors: Sequence[torch.Tensor], cast: torch.dtype | None) -> Lay
     if not any(map(_Tensor.dim, tensors)):  # 0-dim tensors (a step's metrics): one shape, never read per tensor
         return layout(dtypes, (_SCALAR,) * len(tensors), cast)
     return layout(dtypes, tuple(map(_shape_of, tensors)), cast)
-
-
-_SCALAR = torch.Size([])
 
 
 class Sending(NamedTuple):
@@ -496,6 +485,7 @@ NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  #
 _data_ptr = _Tensor.data_ptr
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
+_SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
 device_of = operator.attrgetter("device")
 requires_grad = operator.attrgetter("requires_grad")
 
