@@ -15,6 +15,7 @@ from todevice._stream import DeviceLike
 
 B = TypeVar("B")
 _Step = Callable[[Any], Any]
+_Moved = tuple[Any, list[torch.Tensor], torch.Event]  # a batch moved on the side stream, its outputs, an event after
 
 
 def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
@@ -36,9 +37,7 @@ def _default_collate_for_packing(batch: Any) -> Any:
     return _collate(batch, collate_fn_map=_worker_collate_map)
 
 
-def moved_on(
-    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any]
-) -> tuple[Any, list[torch.Tensor], torch.Event]:
+def moved_on(batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any]) -> _Moved:
     """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
     s = _move.State(_move.plan_for(dev, non_blocking, None, skip_keys=skip))
@@ -177,10 +176,10 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
         yield from _window(iter(self.iterable), 1, lambda batch: batch, finish, lambda: None)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
-        def start(batch: Any) -> tuple[Any, list[torch.Tensor], torch.Event]:
+        def start(batch: Any) -> _Moved:
             return moved_on(batch, self.device, self.non_blocking, side, self.skip_keys or frozenset())
 
-        def finish(moved: tuple[Any, list[torch.Tensor], torch.Event]) -> Any:
+        def finish(moved: _Moved) -> Any:
             out, outputs, copied = moved
             _stream.receive(copied, outputs, self.device)
             return out

@@ -345,11 +345,10 @@ class Sending(NamedTuple):
 
 
 def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce: bool | None) -> Sending:
-    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others. ``coalesce``, the
-    caller's option: None lets the count decide, True coalesces any number, False none. Whatever is not coalesced is
-    copied alone, straight from where it is while the driver copies that much without waiting
-    (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer. Pinned tensors count here as
-    pageable: telling them apart costs a call each, and they are sent as they are anyway."""
+    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others; ``coalesce`` None
+    lets the count decide. Whatever is not coalesced is copied alone, straight from where it is while the driver copies
+    that much without waiting (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer. Pinned
+    tensors count here as pageable: telling them apart costs a call each, and they are sent as they are anyway."""
     together = small > 0 and (small >= COALESCE_MIN_TENSORS if coalesce is None else coalesce)
     if not together:
         alone, alone_bytes = alone + small, alone_bytes + small_bytes
@@ -374,9 +373,8 @@ def pieces(n: int, itemsize: int) -> range:
 
 
 def staging(nbytes: int, dev: torch.device, pinned: bool = True) -> tuple[torch.Tensor, bool]:
-    """The one staging buffer, move()'s and out='s: ``nbytes`` of host memory to write tensors into for ``dev``, and
-    whether it is page-locked, as it is where ``dev`` is an accelerator (and ``pinned``) and pinned memory is had;
-    else pageable (the host, meta, or none left), to be copied from blocking."""
+    """The one staging buffer, move()'s and out='s: ``nbytes`` of host memory for ``dev``, and whether it is page-locked
+    (for an accelerator, if ``pinned`` and it is had), else pageable (host, meta, none left), whose copy blocks."""
     buffer = _stream.pinned(nbytes, torch.uint8, dev) if pinned and _stream.is_accelerator(dev) else None
     return (torch.empty(nbytes, dtype=torch.uint8), False) if buffer is None else (buffer, True)
 

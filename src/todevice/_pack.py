@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from todevice import _layout, _move, _options, _traced, _tree, _walk
 from todevice.errors import PackedBatchAttributeError, PackedBatchError
@@ -183,8 +184,6 @@ class PackedBatch(_tree.Packed):
             return self
         skeleton = self.skeleton
         if self.loose:
-            from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
-
             skeleton = pin_structure(skeleton)  # type: ignore[no-untyped-call]
         return PackedBatch(buffer, self.layout, skeleton, self.requires_grad, self.loose)
 
