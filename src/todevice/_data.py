@@ -14,6 +14,8 @@ from todevice import _move, _options, _pack, _stream, _tree
 from todevice._stream import DeviceLike
 
 B = TypeVar("B")
+_Step = Callable[[Any], Any]
+_Moved = tuple[Any, list[torch.Tensor], torch.Event]  # a batch moved on the side stream, its outputs, an event after
 
 
 def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
@@ -35,14 +37,13 @@ def _default_collate_for_packing(batch: Any) -> Any:
     return _collate(batch, collate_fn_map=_worker_collate_map)
 
 
-def moved_on(
-    batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any]
-) -> tuple[Any, list[torch.Tensor], torch.Event]:
+def moved_on(batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any]) -> _Moved:
     """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
     s = _move.State(_move.plan_for(dev, non_blocking, None, skip_keys=skip))
     out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
-    copied = _stream.record_event(side, dev)
+    copied = torch.Event(device=dev)
+    copied.record(side)  # everything queued on side so far
     return s.finish(out), s.outputs(), copied
 
 
@@ -84,7 +85,9 @@ class collate:  # named like a function: it stands where a collate_fn goes
                 if isinstance(fn, (list, tuple))
                 else " Pass a function that collates a list of samples, or None for torch's default_collate."
             )
-            msg = f"Cannot make todevice.collate(collate_fn={_short(fn)}): collate_fn is not callable.{hint}"
+            text = repr(fn)
+            short = text if len(text) <= 60 else f"{text[:57]}..."
+            msg = f"Cannot make todevice.collate(collate_fn={short}): collate_fn is not callable.{hint}"
             raise TypeError(msg)
         if device is not None:
             _options.check(device, True, None)  # a bad device fails here, not later inside a worker
@@ -95,23 +98,11 @@ class collate:  # named like a function: it stands where a collate_fn goes
         return f"todevice.collate({self.collate_fn!r}, device={self.device!r})"
 
     def __call__(self, samples: list[Any]) -> Any:
-        in_worker = torch.utils.data.get_worker_info() is not None
-        if self.collate_fn is not None:
-            batch = self.collate_fn(samples)
-        elif in_worker:
-            batch = _default_collate_for_packing(samples)
-        else:
-            batch = torch.utils.data.default_collate(samples)
-        if in_worker:
-            return _pack.pack(batch, shared=True)
-        if self.device is not None:
-            return _move.move(batch, self.device)
-        return batch
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
+        if torch.utils.data.get_worker_info() is not None:
+            fn = _default_collate_for_packing if self.collate_fn is None else self.collate_fn
+            return _pack.pack(fn(samples), shared=True)
+        batch = torch.utils.data.default_collate(samples) if self.collate_fn is None else self.collate_fn(samples)
+        return batch if self.device is None else _move.move(batch, self.device)
 
 
 class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a loop header
@@ -173,32 +164,22 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
     def __repr__(self) -> str:
         return f"todevice.prefetch({self.iterable!r}, {str(self.device)!r}, depth={self.depth})"
 
-    def _side_stream(self) -> torch.Stream | None:
-        """The side stream, made once; None where the device has no streams."""
-        if self._side is None and _stream.is_accelerator(self.device):
-            self._side = torch.Stream(device=self.device)
-        return self._side
-
     def __iter__(self) -> Iterator[B]:
-        side = self._side_stream()
-        if side is None:
-            return self._plain()
-        return self._ahead(side)
+        if self._side is None and _stream.is_accelerator(self.device):
+            self._side = torch.Stream(device=self.device)  # made once; None where the device has no streams
+        return self._plain() if self._side is None else self._ahead(self._side)
 
     def _plain(self) -> Iterator[B]:
-        batch: Any
-        source = iter(self.iterable)
-        try:
-            for batch in source:
-                yield _move.move(batch, self.device, non_blocking=self.non_blocking, skip_keys=self.skip_keys)
-        finally:
-            _close(source)
+        def finish(batch: Any) -> Any:
+            return _move.move(batch, self.device, non_blocking=self.non_blocking, skip_keys=self.skip_keys)
+
+        yield from _window(iter(self.iterable), 1, lambda batch: batch, finish, lambda: None)
 
     def _ahead(self, side: torch.Stream) -> Iterator[B]:
-        def start(batch: Any) -> tuple[Any, list[torch.Tensor], torch.Event]:
+        def start(batch: Any) -> _Moved:
             return moved_on(batch, self.device, self.non_blocking, side, self.skip_keys or frozenset())
 
-        def finish(moved: tuple[Any, list[torch.Tensor], torch.Event]) -> Any:
+        def finish(moved: _Moved) -> Any:
             out, outputs, copied = moved
             _stream.receive(copied, outputs, self.device)
             return out
@@ -207,19 +188,13 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
 
 
 def _window(
-    source: Iterator[Any],
-    depth: int,
-    start: Callable[[Any], Any],
-    finish: Callable[[Any], Any],
-    abandon: Callable[[], None],
+    source: Iterator[Any], depth: int, start: _Step, finish: _Step, abandon: Callable[[], None]
 ) -> Iterator[Any]:
-    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead.
-
-    A batch is handed over first and the next one is started after, when the loop asks again: by
-    then the loop has let go of the batch before. So at most ``depth`` batches are in flight beyond
-    the one in use. An exception from ``source`` reaches the loop once the batches before it have
-    been handed over. ``abandon`` runs when the loop stops early with batches still in flight.
-    """
+    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead. A batch is handed
+    over first and the next one is started after, when the loop asks again: by then the loop has let go of the batch
+    before. So at most ``depth`` batches are in flight beyond the one in use. An exception from ``source`` reaches the
+    loop once the batches before it have been handed over. ``abandon`` runs when the loop stops early with batches still
+    in flight."""
     pending: collections.deque[Any] = collections.deque()
     failed: BaseException | None = None  # raised once the batches before it have been used
 
@@ -245,10 +220,6 @@ def _window(
             if pending:
                 abandon()  # a break or an error: no copy is left running behind the loop
         finally:
-            _close(source)
-
-
-def _close(source: Iterator[Any]) -> None:
-    close = getattr(source, "close", None)
-    if callable(close):
-        close()  # a generator source is finished now, not whenever it is collected
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()  # a generator source is finished now, not whenever it is collected

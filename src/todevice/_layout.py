@@ -1,17 +1,15 @@
 """Many tensors in one buffer: taking them out of a structure, their layout, and writing and reading them.
 
-``take`` walks a structure once and leaves a slot where each tensor it takes was: the skeleton. It is
-optimistic: it assumes no tensor is met twice and none shares memory with another, checks that in
-bulk afterwards, and walks again carefully only when the check fails.
+``take`` walks a structure once and leaves a slot where each tensor it takes was: the skeleton. It is optimistic: it
+assumes no tensor is met twice and none shares memory with another, checks that in bulk afterwards, and walks again
+carefully only when the check fails.
 
-A layout is a pure function of the taken tensors' dtypes and shapes (and a cast), cached per
-signature. It groups the tensors by (buffer dtype, shape). A group of two or more tensors is one
-block, written with one ``torch.stack`` and cut back into tensors with one ``unbind``; tensors of a
-shape seen once share a ragged region per dtype, cut with one ``unflatten_dense_tensors``. Either way
-the per-tensor loop runs in C++: a view made from Python costs about 1.5 us here, one made inside
-``unbind`` about 0.3 us. Every tensor starts at a multiple of ``ALIGN`` bytes, so device kernels keep
-their vectorised loads, and the buffer holds the data plus that padding and nothing more.
-"""
+A layout is a pure function of the taken tensors' dtypes and shapes (and a cast), cached per signature. It groups the
+tensors by (buffer dtype, shape). A group of two or more tensors is one block, written with one ``torch.stack`` and cut
+back into tensors with one ``unbind``; tensors of a shape seen once share a ragged region per dtype, cut with one
+``unflatten_dense_tensors``. Either way the per-tensor loop runs in C++: a view made from Python costs about 1.5 us
+here, one made inside ``unbind`` about 0.3 us. Every tensor starts at a multiple of ``ALIGN`` bytes, so device kernels
+keep their vectorised loads, and the buffer holds the data plus that padding and nothing more."""
 
 from __future__ import annotations
 
@@ -63,6 +61,9 @@ class Ragged(NamedTuple):
     nbytes: int
 
 
+_Regions = list[tuple[Block | Ragged, torch.Tensor]]  # each group with its part of a buffer (``_regions``)
+
+
 class Layout(NamedTuple):
     """Where every packed tensor lives in the buffer. Slot ``i`` is the ``i``-th tensor in group order."""
 
@@ -75,10 +76,7 @@ class Layout(NamedTuple):
 
 def tight(lay: Layout) -> bool:
     """Whether ``lay`` leaves no padding between its tensors: their bytes fill the buffer."""
-    return all(
-        g.padded == g.shape.numel() if type(g) is Block else not any(g.pads)  # type: ignore[union-attr]
-        for g in lay.groups
-    )
+    return all(g.padded == g.shape.numel() if isinstance(g, Block) else not any(g.pads) for g in lay.groups)
 
 
 def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
@@ -91,18 +89,13 @@ def _buffer_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> tuple[torch.d
 
 @functools.lru_cache(maxsize=64)  # a training loop cycles through a few structures
 def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast: torch.dtype | None) -> Layout:
-    """The layout for tensors of these dtypes and shapes, in walk order.
-
-    Raises:
-        TypeError: a dtype that a byte buffer does not hold exactly (a quantized one, say).
-    """
+    """The layout of tensors of these dtypes and shapes, in walk order; TypeError for a dtype no byte buffer holds."""
     if not _tree.DENSE_DTYPES.issuperset(dtypes):  # checked here, so a signature laid out before skips the check
         msg = f"Cannot lay out {sorted(map(str, set(dtypes) - _tree.DENSE_DTYPES))} in a byte buffer."
         raise TypeError(msg)
     by_key: dict[tuple[torch.dtype, torch.dtype, torch.Size], list[int]] = {}
     for k, (dtype, shape) in enumerate(zip(dtypes, shapes)):
-        stored, final = _buffer_dtype(dtype, cast)
-        by_key.setdefault((stored, final, shape), []).append(k)
+        by_key.setdefault((*_buffer_dtype(dtype, cast), shape), []).append(k)
     groups: list[Block | Ragged] = []
     walk_order: list[int] = []  # the walk's tensors, in the order the buffer holds them
     offset = 0
@@ -124,24 +117,16 @@ def layout(dtypes: tuple[torch.dtype, ...], shapes: tuple[torch.Size, ...], cast
         groups.append(Ragged(stored, final, shapes_once, pads, offset, nbytes))
         offset += nbytes
         walk_order.extend(k for _, k in entries)
-    order = [0] * len(walk_order)
-    for i, k in enumerate(walk_order):
-        order[k] = i
+    order = sorted(range(len(walk_order)), key=walk_order.__getitem__)  # the inverse of walk_order
     return Layout(tuple(groups), offset, tuple(order), tuple(walk_order), walk_order == sorted(walk_order))
 
 
 @functools.lru_cache(maxsize=32)
 def _templates(group: Ragged) -> list[torch.Tensor]:
-    """Meta tensors shaped like each tensor and its padding, for ``unflatten_dense_tensors``.
-
-    Two small tensor objects per ragged tensor: 32 groups, as many as the layouts a loop cycles
-    through, not 256, which held ~220 MB for batches whose 1,000 shapes changed every time.
-    """
-    out: list[torch.Tensor] = []
-    for shape, pad in zip(group.shapes, group.pads):
-        out.append(torch.empty(shape, dtype=group.dtype, device="meta"))
-        out.append(torch.empty(pad, dtype=group.dtype, device="meta"))
-    return out
+    """Meta tensors shaped like each tensor and its padding, for ``unflatten_dense_tensors``. Two small tensor objects
+    per ragged tensor: 32 groups, as many as the layouts a loop cycles through, not 256, which held ~220 MB for batches
+    whose 1,000 shapes changed every time."""
+    return [torch.empty(n, dtype=group.dtype, device="meta") for pair in zip(group.shapes, group.pads) for n in pair]
 
 
 # Whether unflatten_dense_tensors gives an empty tensor its template's shape: torch 2.8 and older give (0,) whatever
@@ -150,8 +135,7 @@ _EMPTY_KEEPS_SHAPE = torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch
 
 
 def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torch.Tensor]:
-    """A ragged region's tensors, as views, without their padding: one C++ loop; ``traced`` (under dynamo, which does
-    not trace that loop), a slice each."""
+    """A ragged region's tensors as views, unpadded: one C++ loop; a slice each if ``traced`` (dynamo traces none)."""
     if traced:
         out, at = [], 0
         for shape, pad in zip(group.shapes, group.pads):
@@ -167,17 +151,16 @@ def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torc
 @functools.lru_cache(maxsize=1024)
 def _block_strides(shape: torch.Size, padded: int) -> tuple[int, ...]:
     """Strides of a block: ``padded`` elements from one tensor to the next, each tensor contiguous."""
-    strides = [padded]
     inner = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         inner[d] = inner[d + 1] * shape[d + 1]
-    return tuple(strides + inner)
+    return (padded, *inner)
 
 
-def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tuple[Block | Ragged, torch.Tensor]]:
+def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> _Regions:
     """Each group's part of ``buffer``, typed: (count, *shape) for a block, 1-D for a ragged group. ``traced``: under
     dynamo, which traces no ``storage_offset()`` (a slice has it) nor the strides' cache."""
-    out: list[tuple[Block | Ragged, torch.Tensor]] = []
+    out: _Regions = []
     strides: Callable[..., tuple[int, ...]] = _block_strides.__wrapped__ if traced else _block_strides
     for g in lay.groups:
         size = g.dtype.itemsize
@@ -186,33 +169,24 @@ def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> list[tu
             typed, offset = typed[g.start // size :], None
         else:
             offset = typed.storage_offset() + g.start // size
-        if type(g) is Block:
+        if isinstance(g, Block):
             out.append((g, typed.as_strided((g.n, *g.shape), strides(g.shape, g.padded), offset)))
         else:
-            assert type(g) is Ragged
             out.append((g, typed.as_strided((g.nbytes // size,), (1,), offset)))
     return out
 
 
-def write(
-    buffer: torch.Tensor,
-    lay: Layout,
-    walked: Sequence[torch.Tensor],
-    regions: list[tuple[Block | Ragged, torch.Tensor]] | None = None,
-) -> None:
-    """Copy ``walked`` (tensors in walk order) into ``buffer``, whose ``_regions`` may be given: one or two C++ calls
-    per group."""
+def write(buffer: torch.Tensor, lay: Layout, walked: Sequence[torch.Tensor], regions: _Regions | None = None) -> None:
+    """Copy ``walked`` (in walk order) into ``buffer`` (its ``_regions`` if given): one or two C++ calls a group."""
     tensors = walked if lay.in_order else pick(walked, lay.walk_order)
     k = 0
     for g, region in _regions(buffer, lay) if regions is None else regions:
-        if type(g) is Ragged:
-            group = list(tensors[k : k + len(g.shapes)])
-            k += len(group)
+        n = len(g.shapes) if isinstance(g, Ragged) else g.n
+        group = list(tensors[k : k + n])
+        k += n
+        if isinstance(g, Ragged):
             torch._foreach_copy_(_cut(region, g), group)
             continue
-        assert type(g) is Block
-        group = list(tensors[k : k + g.n])
-        k += g.n
         if region.is_contiguous():
             try:
                 torch.stack(group, out=region)
@@ -224,16 +198,12 @@ def write(
 
 # A private guard of PyTorch's, there since 1.9 and used by its own functorch: a PyTorch without it
 # gets autograd views, as detached unbind() gave before (one version counter for the batch).
-_below_autograd_views: Callable[[], Any] = getattr(
-    torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext
-)
+_below_autograd_views = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", contextlib.nullcontext)
 
 
 def gathered(tensors: Sequence[torch.Tensor], lay: Layout, dev: torch.device) -> torch.Tensor:
-    """``tensors`` (in walk order, all on ``dev``) written into one new byte buffer there: a kernel or two per group.
-
-    Below autograd, as :func:`read` cuts: no tensor written needs grad, and the buffer is copied away at once.
-    """
+    """``tensors`` (in walk order, all on ``dev``) written into one new byte buffer there: a kernel or two per group;
+    below autograd, as :func:`read` cuts: no tensor written needs grad, and the buffer is copied away at once."""
     with _below_autograd_views():
         buffer = torch.empty(lay.nbytes, dtype=torch.uint8, device=dev)
         write(buffer, lay, tensors)
@@ -274,26 +244,20 @@ def stages(non_blocking: bool, dev: torch.device) -> bool:
 
 
 def landed(buffer: torch.Tensor) -> torch.Tensor:
-    """A gathered buffer on an accelerator copied to the host with one blocking copy, into pageable memory.
-
-    Measured on an H100: the copy of 1,000 gathered scalars and its wait cost the host 11.6 us blocking, and
-    10.9 us asynchronous into pinned memory plus a 1.7 us pinned allocation. But a pinned allocation first
-    queries the event of every pinned block freed since the last one: after a move that left 1,000 small
-    pinned results, moving 1,000 scalars back took 5.3 ms with a pinned buffer and 3.5 ms with a blocking copy
-    (bench/README.md, "Device to host"). The blocking copy waits for the work queued on the current stream, as
-    the one wait would.
-    """
+    """A gathered buffer on an accelerator copied to the host with one blocking copy, into pageable memory. Measured on
+    an H100: the copy of 1,000 gathered scalars and its wait cost the host 11.6 us blocking, and 10.9 us asynchronous
+    into pinned memory plus a 1.7 us pinned allocation. But a pinned allocation first queries the event of every pinned
+    block freed since the last one: after a move that left 1,000 small pinned results, moving 1,000 scalars back took
+    5.3 ms with a pinned buffer and 3.5 ms with a blocking copy (bench/README.md, "Device to host"). The blocking copy
+    waits for the work queued on the current stream, as the one wait would."""
     return buffer.to("cpu")
 
 
 def read(
     buffer: torch.Tensor, lay: Layout, cast: torch.dtype | None = None, made: list[torch.Tensor] | None = None
 ) -> list[torch.Tensor]:
-    """The packed tensors, in walk order, sharing ``buffer``'s memory (or one cast copy's per group).
-
-    ``cast`` turns floating-point and complex groups into that dtype; every tensor made for a cast is
-    appended to ``made``, so a side stream's caller can record it.
-    """
+    """The packed tensors, in walk order, sharing ``buffer``'s memory (or one cast copy's per group). ``cast`` turns
+    floating-point and complex groups into that dtype; each tensor made for it is appended to ``made``, to record."""
     views: list[torch.Tensor] = []
     traced = torch.compiler.is_dynamo_compiling()
     for g, region in _regions(buffer, lay, traced):
@@ -302,17 +266,15 @@ def read(
             region = region.to(final)  # one cast per group, on the receiving side
             if made is not None:
                 made.append(region)
-        # Cut below autograd's view tracking: each tensor comes out as a plain tensor over its part
-        # of the memory, as independent as one from .to(). Views would share one version counter,
-        # so an in-place change to one tensor of the batch would fail the backward pass of any other
-        # saved for it ("modified by an inplace operation"), and unbind()'s views also refuse
-        # in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the cheaper way
-        # too: no autograd metadata, and no detach() after.
+        # Cut below autograd's view tracking: each tensor comes out as a plain tensor over its part of the memory, as
+        # independent as one from .to(). Views would share one version counter, so an in-place change to one tensor of
+        # the batch would fail the backward pass of any other saved for it ("modified by an inplace operation"), and
+        # unbind()'s views also refuse in-place changes mixed with autograd (x.mul_(w), w requiring grad). It is the
+        # cheaper way too: no autograd metadata, and no detach() after.
         with contextlib.nullcontext() if traced else _below_autograd_views():  # which dynamo does not trace
-            if type(g) is Block:  # under dynamo a slice each: unbind's views refuse in-place changes with autograd
+            if isinstance(g, Block):  # under dynamo a slice each: unbind's views refuse in-place changes with autograd
                 views.extend([region[i] for i in range(g.n)] if traced else region.unbind(0))
             else:
-                assert type(g) is Ragged
                 views.extend(_cut(region, g, traced))
     return views if lay.in_order else pick(views, lay.order)
 
@@ -322,12 +284,11 @@ def read(
 # Every threshold below rests on figures measured on one H100 with torch 2.11 (bench/README.md, "Host to
 # device: the measured facts the plan rests on").
 #
-# A copy from pageable host memory with non_blocking=True: the driver copies the source into staging
-# memory of its own and returns at once while little is pending, and only past that waits for every
-# kernel queued on the stream. With 20 ms of work queued the host did not wait for one tensor of up to
-# 2 MiB, for 8 of 32 KiB (256 KiB in all), or (with 5 ms queued) for 3 of 128 KiB (384 KiB); it waited
-# the whole 20 ms for one of 4 MiB and for 8 of 128 KiB (1 MiB). Below these, staging through pinned
-# memory buys nothing and costs a pinned allocation and a host memcpy.
+# A copy from pageable host memory with non_blocking=True: the driver copies the source into staging memory of its own
+# and returns at once while little is pending, and only past that waits for every kernel queued on the stream. With
+# 20 ms of work queued the host did not wait for one tensor of up to 2 MiB, for 8 of 32 KiB (256 KiB in all), or (with
+# 5 ms queued) for 3 of 128 KiB (384 KiB); it waited the whole 20 ms for one of 4 MiB and for 8 of 128 KiB (1 MiB).
+# Below these, staging through pinned memory buys nothing and costs a pinned allocation and a host memcpy.
 PAGEABLE_DIRECT_MAX_BYTES = 384 * 1024  # several tensors, all in all
 PAGEABLE_DIRECT_MAX_BYTES_ONE = 2 * 1024 * 1024  # a tensor alone
 
@@ -353,8 +314,7 @@ COALESCED_MAX_BYTES = 4 * 1024 * 1024
 def parts(
     tensors: list[torch.Tensor], lay: Layout, cast: torch.dtype | None
 ) -> list[tuple[list[torch.Tensor], Layout]]:
-    """``tensors`` (laid out as ``lay``) in runs of at most ``COALESCED_MAX_BYTES``, in walk order, each with its
-    layout: one buffer and one copy each."""
+    """``tensors`` in runs of at most ``COALESCED_MAX_BYTES``, each with its layout: one buffer and one copy each."""
     if lay.nbytes <= COALESCED_MAX_BYTES:
         return [(tensors, lay)]
     out: list[tuple[list[torch.Tensor], Layout]] = []
@@ -377,9 +337,6 @@ def layout_for(tensors: Sequence[torch.Tensor], cast: torch.dtype | None) -> Lay
     return layout(dtypes, tuple(map(_shape_of, tensors)), cast)
 
 
-_SCALAR = torch.Size([])
-
-
 class Sending(NamedTuple):
     """How one move sends its host tensors to an accelerator: a pure function of what it holds (``sending``)."""
 
@@ -388,14 +345,10 @@ class Sending(NamedTuple):
 
 
 def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce: bool | None) -> Sending:
-    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others.
-
-    ``coalesce``, the caller's option: None lets the count decide, True coalesces any number, False none.
-    Whatever is not coalesced is copied alone, straight from where it is while the driver copies that
-    much without waiting (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer.
-    Pinned tensors count here as pageable: telling them apart costs a call each, and they are sent as
-    they are anyway.
-    """
+    """What to do with ``small`` small host tensors (``small_bytes`` in all) and ``alone`` others; ``coalesce`` None
+    lets the count decide. Whatever is not coalesced is copied alone, straight from where it is while the driver copies
+    that much without waiting (``PAGEABLE_DIRECT_MAX_BYTES``), otherwise all of it through one pinned buffer. Pinned
+    tensors count here as pageable: telling them apart costs a call each, and they are sent as they are anyway."""
     together = small > 0 and (small >= COALESCE_MIN_TENSORS if coalesce is None else coalesce)
     if not together:
         alone, alone_bytes = alone + small, alone_bytes + small_bytes
@@ -420,9 +373,8 @@ def pieces(n: int, itemsize: int) -> range:
 
 
 def staging(nbytes: int, dev: torch.device, pinned: bool = True) -> tuple[torch.Tensor, bool]:
-    """The one staging buffer, move()'s and out='s: ``nbytes`` of host memory to write tensors into for ``dev``, and
-    whether it is page-locked, as it is where ``dev`` is an accelerator (and ``pinned``) and pinned memory is had;
-    else pageable (the host, meta, or none left), to be copied from blocking."""
+    """The one staging buffer, move()'s and out='s: ``nbytes`` of host memory for ``dev``, and whether it is page-locked
+    (for an accelerator, if ``pinned`` and it is had), else pageable (host, meta, none left), whose copy blocks."""
     buffer = _stream.pinned(nbytes, torch.uint8, dev) if pinned and _stream.is_accelerator(dev) else None
     return (torch.empty(nbytes, dtype=torch.uint8), False) if buffer is None else (buffer, True)
 
@@ -434,15 +386,12 @@ def stageable(t: torch.Tensor) -> bool:
 
 
 def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Copy each :func:`stageable` host source into its target, dense on one accelerator, through one pinned buffer.
-
-    One allocation from the caching host allocator for all of them (which hands the block out again once
-    the copies from it have finished), one host memcpy and one asynchronous copy each, and no wait: the
-    host returns once the copies are queued. A tensor over ``STAGE_CHUNK_BYTES`` laid out as its target (dense,
-    with the target's strides, as ``stage()`` makes targets) is written and sent in pieces of that size, each
-    piece's copy queued before the next is written. A cast is made on the side with fewer bytes. False, with
-    nothing copied, where no pinned memory could be had.
-    """
+    """Copy each :func:`stageable` host source into its target, dense on one accelerator, through one pinned buffer. One
+    allocation from the caching host allocator for all of them (which hands the block out again once the copies from it
+    have finished), one host memcpy and one asynchronous copy each, and no wait: the host returns once the copies are
+    queued. A tensor over ``STAGE_CHUNK_BYTES`` laid out as its target (dense, with the target's strides, as ``stage()``
+    makes targets) is written and sent in pieces of that size, each piece's copy queued before the next is written. A
+    cast is made on the side with fewer bytes. False, with nothing copied, where no pinned memory could be had."""
     plan: list[tuple[int, torch.dtype]] = []
     total = 0
     for src, out in pairs:
@@ -476,15 +425,12 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 
 def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-    """The pageable ones of ``tensors`` copied to ``dev`` through one pinned buffer, if there are more bytes of
-    them than the driver copies without waiting; by id of their source.
-
-    Pinned tensors are left out (they are sent as they are), and so are those :func:`stageable` refuses, a
-    tensor over the same memory as one staged already (its copy is a view of that one's, as the walk makes
-    it), and those past ``STAGE_MAX_BYTES``. The copies are cast to ``dtype`` where move() casts, and keep a
-    dense source's strides, as ``.to()`` does. Empty where staging does not pay or fails (no pinned memory,
-    no room on the device): each tensor is then copied by itself, and an error names its path.
-    """
+    """The pageable ones of ``tensors`` copied to ``dev`` through one pinned buffer, if there are more bytes of them
+    than the driver copies without waiting; by id of their source. Pinned tensors are left out (they are sent as they
+    are), and so are those :func:`stageable` refuses, a tensor over the same memory as one staged already (its copy is a
+    view of that one's, as the walk makes it), and those past ``STAGE_MAX_BYTES``. The copies are cast to ``dtype``
+    where move() casts, and keep a dense source's strides, as ``.to()`` does. Empty where staging does not pay or fails
+    (no pinned memory, no room on the device): each tensor is then copied by itself, and an error names its path."""
     pageable: list[torch.Tensor] = []
     seen = _walk.Seen()
     total = 0
@@ -496,12 +442,10 @@ def stage(tensors: Sequence[torch.Tensor], dev: torch.device, dtype: torch.dtype
         total += t.nbytes
     if not sending(0, 0, len(pageable), total, False).staged:
         return {}
-    try:
+    with contextlib.suppress(Exception):  # each is copied by itself, and its error names its path
         pairs = [(t, torch.empty_like(t, dtype=_options.cast_to(t.dtype, dtype), device=dev)) for t in pageable]
         if send_staged(pairs):
             return {id(t): out for t, out in pairs}
-    except Exception:  # each is copied by itself, and its error names its path
-        pass
     return {}
 
 
@@ -539,6 +483,7 @@ NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  #
 _data_ptr = _Tensor.data_ptr
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
+_SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
 device_of = operator.attrgetter("device")
 requires_grad = operator.attrgetter("requires_grad")
 
@@ -559,11 +504,8 @@ class _Taking:
 
 
 def _take(t: torch.Tensor, s: _Taking) -> Any:
-    """The optimistic take: a slot for every plain tensor on the side taken from (up to ``max_bytes``;
-    needing grad if ``grad``).
-
-    Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk.
-    """
+    """The optimistic take: a slot for every plain tensor on the side taken from (up to ``max_bytes``; needing grad if
+    ``grad``). Whether each is dense, and of a dtype a byte buffer holds, is checked afterwards in bulk."""
     if type(t) is not _Tensor or t.is_cpu is s.devices:
         s.loose.append(t)
         return t
@@ -655,12 +597,8 @@ class Taken(NamedTuple):
 
 def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None, grad: bool = False) -> Taken:
     """Take every plain dense host tensor up to ``max_bytes`` out of ``obj`` (those needing grad if ``grad``) by
-    ``walks`` (``takes``): with their ``devices``, every such tensor that is not on the host instead, whatever its
-    device.
-
-    Raises what the walk raises: ``RecursionError`` for deep or cyclic structures, ``LeafError`` from
-    a registered flatten.
-    """
+    ``walks`` (``takes``): with their ``devices``, every such tensor off the host instead. Raises what the walk raises:
+    ``RecursionError`` for deep or cyclic structures, ``LeafError`` from a registered flatten."""
     optimistic, careful, devices = walks
     taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
@@ -670,12 +608,9 @@ def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
         if len(set(map(_data_ptr, tensors))) == len(tensors):
-            lay = layout_for(tensors, cast)
-            return Taken(skeleton, tensors, lay, taking.loose, taking.alone)
+            return Taken(skeleton, tensors, layout_for(tensors, cast), taking.loose, taking.alone)
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad, devices)
     skeleton = careful.walk(obj, taking)
-    tensors = taking.tensors
-    lay = layout_for(tensors, cast)
-    return Taken(skeleton, tensors, lay, taking.loose, taking.alone)
+    return Taken(skeleton, taking.tensors, layout_for(taking.tensors, cast), taking.loose, taking.alone)

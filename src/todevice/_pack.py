@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
 
 from todevice import _layout, _move, _options, _traced, _tree, _walk
 from todevice.errors import PackedBatchAttributeError, PackedBatchError
-
-_needs_grad = operator.attrgetter("requires_grad")
 
 
 def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.COALESCE_MAX_BYTES) -> PackedBatch:
@@ -67,7 +65,7 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.
         raise ValueError(msg) from err
     tensors = taken.tensors
     requires_grad: tuple[int, ...] = ()
-    if any(map(_needs_grad, tensors)):
+    if any(map(_layout.requires_grad, tensors)):
         requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
     for k in requires_grad:
         tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
@@ -137,10 +135,9 @@ class PackedBatch(_tree.Packed):
         n = len(self.layout.order)
         return f"PackedBatch({n} tensors, {self.layout.nbytes} bytes, {len(self.layout.groups)} groups)"
 
-    # The loop of a DataLoader with workers gets PackedBatches where, without workers, it gets the
-    # batch: every way of using one as the batch explains that, instead of Python's bare message.
-    # Hidden from type checkers, which would otherwise take every attribute to exist and a
-    # PackedBatch to be indexable and iterable.
+    # The loop of a DataLoader with workers gets PackedBatches where, without workers, it gets the batch: every way of
+    # using one as the batch explains that, instead of Python's bare message. Hidden from type checkers, which would
+    # otherwise take every attribute to exist and a PackedBatch to be indexable and iterable.
     if not TYPE_CHECKING:
 
         def __getitem__(self, key):
@@ -162,10 +159,9 @@ class PackedBatch(_tree.Packed):
             raise PackedBatchError(f"'PackedBatch' object does not support 'in': {_unpack_first(self)}")
 
         def __getattr__(self, name):
-            # Only for names the instance and its class lack. Protocols probe private and dunder
-            # names (__setstate__ while unpickling, _repr_html_, _fields): those stay the plain
-            # error. The rest is an AttributeError too, so hasattr(), getattr(..., default) and the
-            # DataLoader's probes read it as a missing attribute.
+            # Only for names the instance and its class lack. Protocols probe private and dunder names (__setstate__
+            # while unpickling, _repr_html_, _fields): those stay the plain error. The rest is an AttributeError too, so
+            # hasattr(), getattr(..., default) and the DataLoader's probes read it as a missing attribute.
             if name.startswith("_"):
                 err = AttributeError(f"'PackedBatch' object has no attribute {name!r}")
             else:
@@ -188,8 +184,6 @@ class PackedBatch(_tree.Packed):
             return self
         skeleton = self.skeleton
         if self.loose:
-            from torch.utils.data._utils.pin_memory import pin_memory as pin_structure
-
             skeleton = pin_structure(skeleton)  # type: ignore[no-untyped-call]
         return PackedBatch(buffer, self.layout, skeleton, self.requires_grad, self.loose)
 
@@ -223,8 +217,8 @@ def _unpack_first(packed: PackedBatch) -> str:
     """What the batch is, and how to get it: the end of every PackedBatchError message."""
     # Read from __dict__: __getattr__ may run on an instance that unpickling has not filled yet,
     # and reading a missing attribute here would call it again.
-    skeleton = packed.__dict__.get("skeleton", _NOTHING)
-    if skeleton is _NOTHING:
+    skeleton = packed.__dict__.get("skeleton")
+    if "skeleton" not in packed.__dict__:
         held = "batch"
     elif isinstance(skeleton, _tree.Slot):  # the batch is one packed tensor
         held = "Tensor"
@@ -239,6 +233,3 @@ def _unpack_first(packed: PackedBatch) -> str:
         f".unpack(device), or .unpack() to keep its tensors on the host; or iterate through "
         f"todevice.prefetch(loader, device), which unpacks each batch."
     )
-
-
-_NOTHING = object()

@@ -23,6 +23,11 @@ def _backend(device_type: str) -> types.ModuleType | None:
     return mod if isinstance(mod, types.ModuleType) else None
 
 
+def _forwarded(name: str) -> Any:
+    """A method of ``_Backend`` that makes the call ``name`` on its module."""
+    return lambda self, *args: getattr(self._module(), name)(*args)
+
+
 class _Backend:
     """The calls of ``torch.accelerator`` that todevice makes, for torch before 2.8 (``torch.accelerator`` came in 2.6,
     ``device_index`` in 2.8): made on ``torch.cuda``, else ``torch.xpu``, whichever is available."""
@@ -41,26 +46,13 @@ class _Backend:
     def current_accelerator(self) -> torch.device:
         return torch.device(self._module().__name__.rpartition(".")[2])
 
-    def device_count(self) -> int:
-        return self._module().device_count()  # type: ignore[no-any-return]
-
-    def current_device_index(self) -> int:
-        return self._module().current_device()  # type: ignore[no-any-return]
-
-    def set_device_index(self, index: int) -> None:
-        self._module().set_device(index)
-
-    def device_index(self, index: int) -> Any:
-        return self._module().device(index)
-
-    def current_stream(self, device: torch.device | None = None) -> Any:
-        return self._module().current_stream(device)
-
-    def set_stream(self, stream: Any) -> None:
-        self._module().set_stream(stream)
-
-    def synchronize(self, device: torch.device | None = None) -> None:
-        self._module().synchronize(device)
+    device_count = _forwarded("device_count")
+    current_device_index = _forwarded("current_device")
+    set_device_index = _forwarded("set_device")
+    device_index = _forwarded("device")
+    current_stream = _forwarded("current_stream")
+    set_stream = _forwarded("set_stream")
+    synchronize = _forwarded("synchronize")
 
 
 # torch.accelerator where it has every call todevice makes (torch 2.8 and later), else the same calls on the backend.
@@ -85,17 +77,12 @@ def _asked(pid: int, backend: Any) -> torch.device | None:
 
 def available_devices() -> list[str]:
     """Device types usable on this machine, for messages and ``python -m todevice info``."""
-    found = ["cpu", "meta"]
     acc = accelerator()
-    if acc is not None:
-        count = accel.device_count()
-        found[1:1] = [f"{acc.type}:{i}" for i in range(count)]
-    return found
+    return ["cpu", *([] if acc is None else [f"{acc.type}:{i}" for i in range(accel.device_count())]), "meta"]
 
 
 def _invalid(device: object, why: str, verb: str = "move to") -> ValueError:
-    msg = f"Cannot {verb} device {device!r}: {why} Devices here: {', '.join(available_devices())}."
-    return ValueError(msg)
+    return ValueError(f"Cannot {verb} device {device!r}: {why} Devices here: {', '.join(available_devices())}.")
 
 
 def _device_arg(device: object, verb: str = "move to") -> torch.device:
@@ -157,11 +144,9 @@ def set_index(index: int) -> None:
 
 def resolve_device(device: DeviceLike, verb: str = "move to", current: bool = True) -> torch.device:
     """The torch.device for ``device``, or ValueError/TypeError naming it (and ``verb``, "check against" for one).
-
-    ``"cpu:0"`` is ``"cpu"`` and ``"meta:0"`` is ``"meta"``, as tensors say (``as_tensors_say``). An accelerator
-    named without an index (``"cuda"``) means its current device, as ``.to()`` reads it: that index is filled in,
-    unless ``current`` is False, for a caller that fills it in on each call, since the current device can change.
-    """
+    ``"cpu:0"`` is ``"cpu"`` and ``"meta:0"`` is ``"meta"``, as tensors say (``as_tensors_say``). An accelerator named
+    without an index (``"cuda"``) means its current device, as ``.to()`` reads it: that index is filled in, unless
+    ``current`` is False, for a caller that fills it in on each call, since the current device can change."""
     dev = _device_arg(device, verb)
     if dev.type in HOST_TYPES:
         return as_tensors_say(dev)
@@ -186,8 +171,7 @@ def synchronize(device: torch.device) -> None:
     if is_accelerator(device):
         accel.current_stream(device).synchronize()
         return
-    mod = _backend(device.type)
-    sync = getattr(mod, "synchronize", None)
+    sync = getattr(_backend(device.type), "synchronize", None)
     if callable(sync):
         sync()
 
@@ -211,11 +195,9 @@ def devices_in_use() -> list[torch.device]:
 
 
 def on_device(device: torch.device) -> Any:
-    """A context in which ``device`` is the current accelerator device (nothing to do for the host).
-
-    CUDA makes a process's context on the current device the first time it needs one, pinned host
-    memory included: allocations made for a target are made under that target's device.
-    """
+    """A context in which ``device`` is the current accelerator device (nothing to do for the host). CUDA makes a
+    process's context on the current device the first time it needs one, pinned host memory included: allocations made
+    for a target are made under that target's device."""
     if device.index is None or not is_accelerator(device) or device.index == current_index():
         return contextlib.nullcontext()
     return accel.device_index(device.index)
@@ -232,13 +214,9 @@ def no_pinned_memory() -> str | None:
 
 
 def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Page-locked host memory for a copy to ``device``, from PyTorch's caching host allocator; or None.
-
-    The allocator hands a block out again only once the copies recorded on it have finished, so the
-    caller may drop the tensor as soon as its copy is queued. None where the backend has no pinned
-    memory, and where allocating it failed: that failure is reported once, and the next call tries
-    again.
-    """
+    """Page-locked host memory for a copy to ``device`` from PyTorch's caching host allocator, which hands a block out
+    again only once the copies recorded on it have finished: the caller may drop it once its copy is queued. None where
+    the backend has no pinned memory, and where allocating it failed (reported once; the next call tries again)."""
     try:
         with on_device(device):
             return torch.empty(numel, dtype=dtype, pin_memory=True)
@@ -270,37 +248,29 @@ class Entered(NamedTuple):
 
 def check_stream(stream: Any) -> None:
     """A TypeError unless ``stream`` is a stream: a torch.Stream, or a backend's (torch.cuda.Stream)."""
-    if not isinstance(getattr(stream, "device", None), torch.device) or not callable(
-        getattr(stream, "wait_stream", None)
-    ):
-        msg = (
-            f"Cannot move on stream={stream!r}: stream takes a torch.Stream (or torch.cuda.Stream) on the target "
-            f"device, such as torch.Stream(device='cuda'), or None."
-        )
-        raise TypeError(msg)
+    if isinstance(getattr(stream, "device", None), torch.device) and callable(getattr(stream, "wait_stream", None)):
+        return
+    msg = (
+        f"Cannot move on stream={stream!r}: stream takes a torch.Stream (or torch.cuda.Stream) on the target "
+        f"device, such as torch.Stream(device='cuda'), or None."
+    )
+    raise TypeError(msg)
 
 
 def issuing(stream: torch.Stream | None, device: torch.device) -> torch.Stream | None:
     """The stream a move to ``device`` issues its copies on: ``stream``, or None for a host stream with a host target.
-
-    The host has no streams to order (``torch.Stream(device="cpu")`` names none that an accelerator call accepts), and
-    a copy into host memory from host memory is made as it is called; so a device-agnostic loop that makes its stream
-    with ``torch.Stream(device=device)`` moves to the CPU as without one, as a compiled move does with any stream.
-    """
+    The host has no streams to order (``torch.Stream(device="cpu")`` names none that an accelerator call accepts), and a
+    copy into host memory from host memory is made as it is called; so a device-agnostic loop that makes its stream with
+    ``torch.Stream(device=device)`` moves to the CPU as without one, as a compiled move does with any stream."""
     if stream is not None and device.type in HOST_TYPES and stream.device.type in HOST_TYPES:
         return None
     return stream
 
 
 def enter_stream(stream: torch.Stream, device: torch.device) -> Entered:
-    """Make ``stream`` current for ``device``'s copies.
-
-    The side stream does not wait for the user's: a copy from host memory needs nothing queued
-    there, so it starts at once. A copy from accelerator memory waits first (:func:`order`).
-
-    Raises:
-        ValueError: ``stream`` is on another device than ``device``, an accelerator target.
-    """
+    """Make ``stream`` current for ``device``'s copies; ValueError where it is on another device than ``device``, an
+    accelerator target. The side stream does not wait for the user's: a copy from host memory needs nothing queued
+    there, so it starts at once. A copy from accelerator memory waits first (:func:`order`)."""
     if device.type not in HOST_TYPES and (stream.device.type, stream.device.index) != (device.type, device.index):
         msg = (
             f"Cannot copy to {device} on a stream of {stream.device}: a stream issues work on its own "
@@ -321,11 +291,8 @@ def leave_stream(entered: Entered) -> None:
 
 
 def hand_over(side: torch.Stream, user: torch.Stream, outputs: list[torch.Tensor]) -> None:
-    """Make what ``side`` copied safe to use on ``user``.
-
-    ``user`` waits for the copies, and each output is recorded on ``user`` so the caching allocator
-    does not reuse its memory for ``side`` while ``user`` may still read it (pytorch#23729).
-    """
+    """``user`` waits for what ``side`` copied, and each output is recorded on ``user``, so the caching allocator does
+    not reuse its memory for ``side`` while ``user`` may still read it (pytorch#23729)."""
     user.wait_stream(side)
     _record(outputs, user)
 
@@ -340,13 +307,6 @@ def is_accelerator(device: torch.device) -> bool:
     """Whether ``device`` is one of the current accelerator's: it has streams, events and a current index."""
     acc = accelerator()
     return acc is not None and acc.type == device.type
-
-
-def record_event(stream: torch.Stream, device: torch.device) -> torch.Event:
-    """An event marking everything queued on ``stream`` so far."""
-    event = torch.Event(device=device)
-    event.record(stream)
-    return event
 
 
 def receive(copied: torch.Event, outputs: list[torch.Tensor], device: torch.device) -> None:
