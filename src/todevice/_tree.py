@@ -19,6 +19,7 @@ import operator
 import sys
 import threading
 import weakref
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -194,36 +195,15 @@ def _dict_flatten(d: dict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
     return list(d.values()), (list(d),)
 
 
-def _dict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> dict[Any, Any]:
-    return dict(zip(aux[0], children))
-
-
-def _ordereddict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> collections.OrderedDict[Any, Any]:
-    return collections.OrderedDict(zip(aux[0], children))
-
-
-def _defaultdict_flatten(d: collections.defaultdict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+def _defaultdict_flatten(d: defaultdict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
     return list(d.values()), (d.default_factory, list(d))
-
-
-def _defaultdict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> collections.defaultdict[Any, Any]:
-    return collections.defaultdict(aux[0], zip(aux[1], children))
 
 
 def _seq_flatten(s: Any) -> tuple[list[Any], None]:
     return list(s), None
 
 
-def _deque_flatten(d: collections.deque[Any]) -> tuple[list[Any], int | None]:
-    return list(d), d.maxlen
-
-
-def _deque_unflatten(maxlen: int | None, children: list[Any]) -> collections.deque[Any]:
-    return collections.deque(children, maxlen=maxlen)
-
-
-def _set_entry(aux: Any, i: int) -> str:
-    # Sets have no keys; name the element by its place in iteration order.
+def _set_entry(aux: Any, i: int) -> str:  # a set's element, by its place in iteration order
     return f"{{{i}}}"
 
 
@@ -232,12 +212,14 @@ def _keys(aux: Any) -> Any:
 
 
 _BUILTIN: dict[type, Kind] = {
-    dict: Kind(NODE, _dict_flatten, _dict_unflatten, _key_entry, _keys),
-    collections.OrderedDict: Kind(NODE, _dict_flatten, _ordereddict_unflatten, _key_entry, _keys),
-    collections.defaultdict: Kind(NODE, _defaultdict_flatten, _defaultdict_unflatten, _key_entry, _keys),
+    dict: Kind(NODE, _dict_flatten, lambda aux, ch: dict(zip(aux[0], ch)), _key_entry, _keys),
+    OrderedDict: Kind(NODE, _dict_flatten, lambda aux, ch: OrderedDict(zip(aux[0], ch)), _key_entry, _keys),
+    defaultdict: Kind(
+        NODE, _defaultdict_flatten, lambda aux, ch: defaultdict(aux[0], zip(aux[1], ch)), _key_entry, _keys
+    ),
     list: Kind(NODE, _seq_flatten, lambda aux, ch: ch, _index_entry),
     tuple: Kind(NODE, _seq_flatten, lambda aux, ch: tuple(ch), _index_entry),
-    collections.deque: Kind(NODE, _deque_flatten, _deque_unflatten, _index_entry),
+    deque: Kind(NODE, lambda d: (list(d), d.maxlen), lambda maxlen, ch: deque(ch, maxlen=maxlen), _index_entry),
     set: Kind(NODE, _seq_flatten, lambda aux, ch: set(ch), _set_entry),
     frozenset: Kind(NODE, _seq_flatten, lambda aux, ch: frozenset(ch), _set_entry),
 }
@@ -245,16 +227,8 @@ _BUILTIN: dict[type, Kind] = {
 # ---------------------------------------------------------------- namedtuples and structseqs
 
 
-def _namedtuple_flatten(t: tuple[Any, ...]) -> tuple[list[Any], type]:
-    return list(t), type(t)
-
-
-def _namedtuple_unflatten(tp: Any, children: list[Any]) -> Any:
-    return tp._make(children)  # not tp(*children): a subclass may define __new__ with other arguments
-
-
-def _field_entry(aux: Any, i: int) -> str:
-    return f".{aux._fields[i]}"
+# tp._make(children), not tp(*children): a subclass may define __new__ with other arguments.
+_NAMEDTUPLE = Kind(NODE, lambda t: (list(t), type(t)), lambda tp, ch: tp._make(ch), lambda tp, i: f".{tp._fields[i]}")
 
 
 def _structseq_flatten(t: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
@@ -292,12 +266,8 @@ def _mapping_flatten(m: collections.abc.Mapping[Any, Any]) -> tuple[list[Any], t
 
 
 def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
-    """Any other mapping: built again from a dict of its moved items, as accelerate and torchtnt do.
-
-    One that holds nothing moved comes back as the very same object (``os.environ`` is a mapping
-    too). One whose constructor does not take a dict is refused: a copy with its items set could
-    share its storage with the input and change it.
-    """
+    """Any other mapping: ``cls(dict)`` of its moved items, as accelerate and torchtnt do; the very same object where
+    nothing in it moved (``os.environ``). No copy with its items set: it could share the input's storage."""
     src, keys, before = aux
     if all(map(operator.is_, children, before)):
         return src
@@ -310,7 +280,6 @@ def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
 
 
 def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
-    """``tp(dict(zip(keys, children)))``, or a TypeError that says what to do."""
     try:
         return tp(dict(zip(keys, children)))
     except Exception as err:
@@ -322,9 +291,9 @@ def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
 
 
 def _mapping_deferred(aux: tuple[Any, ...], children: list[Any]) -> Any:
-    """A mapping in a packed skeleton: the very same object where nothing in it was taken, else deferred."""
+    """A mapping in a packed skeleton: deferred, or the very same object where nothing in it was taken (as move())."""
     src, keys, before = aux
-    if all(map(_unchanged, children, before)):  # nothing in it taken: as move() gives it back, the very same object
+    if all(map(_unchanged, children, before)):
         return src
     return DeferredMapping(type(src), (None, keys), children)
 
@@ -334,9 +303,8 @@ def _unchanged(new: Any, old: Any) -> bool:
     if new is old:
         return True
     kind = kind_of(type(old))
-    if type(new) is not type(old) or kind.code != NODE:
+    if type(new) is not type(old) or kind.flatten is None:
         return False
-    assert kind.flatten is not None
     try:
         a, b = kind.flatten(new)[0], kind.flatten(old)[0]
     except Exception:
@@ -362,16 +330,6 @@ _kinds: dict[int, Kind] = {}
 _late: dict[int, tuple[Kind, tuple[Any, Any]]] = {}
 _refs: dict[int, weakref.ref[type]] = {}
 _generation = [0]  # bumped by every registration change
-
-
-def _check_registration(cls: object, flatten: object, unflatten: object) -> None:
-    if not isinstance(cls, type):
-        msg = f"Cannot register {cls!r}: expected a class, got {type(cls).__qualname__}. Pass the class itself."
-        raise TypeError(msg)
-    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
-        if not callable(fn):
-            msg = f"Cannot register {cls.__qualname__}: {name} must be callable, got {type(fn).__qualname__}."
-            raise TypeError(msg)
 
 
 def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
@@ -406,7 +364,13 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
 
     .. versionadded:: 0.1.0
     """
-    _check_registration(cls, flatten, unflatten)
+    if not isinstance(cls, type):
+        msg = f"Cannot register {cls!r}: expected a class, got {type(cls).__qualname__}. Pass the class itself."
+        raise TypeError(msg)
+    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
+        if not callable(fn):
+            msg = f"Cannot register {cls.__qualname__}: {name} must be callable, got {type(fn).__qualname__}."
+            raise TypeError(msg)
     if cls in _BUILTIN or cls is torch.Tensor:
         msg = (
             f"Cannot register {cls.__qualname__}: it is a built-in type that todevice already handles. "
@@ -421,7 +385,6 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
             )
             raise ValueError(msg)
         _registry[cls] = _registered(cls, flatten, _registered_unflatten(unflatten))
-        _generation[0] += 1
         _forget_all()
 
 
@@ -446,7 +409,6 @@ def unregister(cls: type, /) -> None:
             msg = f"Cannot unregister {name}: it is not registered with todevice."
             raise ValueError(msg)
         del _registry[cls]
-        _generation[0] += 1
         _forget_all()
 
 
@@ -480,13 +442,9 @@ def _deferred_keys(d: Deferred) -> list[Any]:  # a registered mapping's keys, as
 
 
 _DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry, _deferred_keys)
-
-
-def _deferred_mapping_unflatten(d: Deferred, children: list[Any]) -> Any:
-    return _mapping_from(d.cls, d.aux[1], children)
-
-
-_DEFERRED_MAPPING = Kind(NODE, _deferred_flatten, _deferred_mapping_unflatten, _deferred_entry, lambda d: d.aux[1])
+_DEFERRED_MAPPING = Kind(
+    NODE, _deferred_flatten, lambda d, ch: _mapping_from(d.cls, d.aux[1], ch), _deferred_entry, lambda d: d.aux[1]
+)
 
 
 def _has_to(tp: type) -> bool:
@@ -541,10 +499,6 @@ def _pytree_kind(tp: type) -> Kind | None:
     return None
 
 
-def _classify(tp: type) -> Kind:
-    return _settled(tp) or _late_rule(tp)
-
-
 def _settled(tp: type) -> Kind | None:
     """The rule of ``tp`` where no registration but todevice's own can change it; else None."""
     if tp is Slot or tp is AliasSlot:
@@ -570,7 +524,7 @@ def _settled(tp: type) -> Kind | None:
     if _has_to(tp):
         return _to_kind(tp)
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
-        return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
+        return _NAMEDTUPLE
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
         plain = getattr(tp, "n_fields", None) == tp.n_sequence_fields  # no field beyond its items
         return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry, form=STRUCTSEQ if plain else NODE)
@@ -589,17 +543,12 @@ def _late_rule(tp: type) -> Kind:
     foreign = _pytree_kind(tp)
     if foreign is not None:
         return foreign
-    if issubclass(tp, _WEAK):
-        return Kind(UNKNOWN)
-    if issubclass(tp, collections.abc.Mapping):
-        return _MAPPING
-    return Kind(UNKNOWN)
+    return _MAPPING if issubclass(tp, collections.abc.Mapping) and not issubclass(tp, _WEAK) else Kind(UNKNOWN)
 
 
 def kind_of(tp: type) -> Kind:
-    """The cached classification of ``tp``: from ``_kinds``, or from ``_late`` while what it was worked out under
-    holds (what torch pytree and optree hold for ``tp``, and that the class has no ``.to()`` yet), else worked out
-    now."""
+    """The cached rule of ``tp``: from ``_kinds``, or from ``_late`` while what it was worked out under holds (what
+    torch pytree and optree hold for ``tp``, and that the class has no ``.to()`` yet), else worked out now."""
     kind = _kinds.get(id(tp))
     if kind is not None:
         return kind
@@ -609,11 +558,8 @@ def kind_of(tp: type) -> Kind:
     if late is not None and late[1] == _foreign(tp) and not _has_to(tp):
         return late[0]
     _learn(tp)
-    kind = _kinds.get(id(tp))
-    if kind is not None:
-        return kind
-    late = _late.get(id(tp))
-    return _classify(tp) if late is None else late[0]  # None: a registration made meanwhile, not cached
+    late = _late.get(id(tp))  # in neither: a registration made meanwhile, not cached
+    return _kinds.get(id(tp)) or (_settled(tp) or _late_rule(tp) if late is None else late[0])
 
 
 # optree's registry: its global namespace's rule for a type is the entry under the type itself. A rule given, removed
@@ -646,10 +592,9 @@ def _learn(tp: type) -> int:
     # could call back into todevice. A registration made meanwhile makes the answer stale, so
     # it is only cached when no registration happened since.
     generation = _generation[0]
-    kind = _settled(tp)
-    under = None if kind is not None else _foreign(tp)
+    kind, under = _settled(tp), None
     if kind is None:
-        kind = _late_rule(tp)
+        under, kind = _foreign(tp), _late_rule(tp)
     with _lock:
         if _generation[0] == generation:
             if id(tp) not in _refs:
@@ -666,11 +611,8 @@ _learn._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _forget(key: int, ref: weakref.ref[type]) -> None:
-    """A classified type died: its rule goes with it (unless the cache was cleared and refilled since).
-
-    No lock: it runs wherever the collector frees the type, which may be inside ``kind_of``'s own lock.
-    Nothing else writes ``key`` meanwhile: no other type has this id until this one is freed.
-    """
+    """A classified type died: its rule goes with it (unless the cache was cleared and refilled since). No lock: it
+    runs wherever the collector frees the type, maybe inside ``_learn``'s lock; no other type has its id till then."""
     if _refs.get(key) is ref:
         _refs.pop(key, None)
         _kinds.pop(key, None)
@@ -678,6 +620,7 @@ def _forget(key: int, ref: weakref.ref[type]) -> None:
 
 
 def _forget_all() -> None:  # under the lock: a registration changed, so every rule is worked out again
+    _generation[0] += 1
     _refs.clear()
     _kinds.clear()
     _late.clear()

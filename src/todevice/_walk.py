@@ -10,6 +10,7 @@ by the same rules, for error messages, ``strict=True`` and the diagnostics.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
 import functools
 import operator
@@ -34,10 +35,7 @@ class LeafError(Exception):
 
     def __init__(self, leaf: Any, err: BaseException, inner: str = "", shown: Any = None) -> None:
         super().__init__()
-        self.leaf = leaf
-        self.err = err
-        self.inner = inner
-        self.shown = leaf if shown is None else shown
+        self.leaf, self.err, self.inner, self.shown = leaf, err, inner, leaf if shown is None else shown
 
     def within(self, outer: Any, structure: Any, skip: frozenset[Any] = frozenset()) -> LeafError:
         """This failure, as one of ``outer``, whose ``structure`` holds the failing leaf."""
@@ -55,6 +53,10 @@ def guarded(node: Any, fn: Callable[..., Any], *args: Any) -> Any:
         raise LeafError(node, err) from err
 
 
+def _as_it_is(x: Any, s: Any) -> Any:
+    return x
+
+
 class Walk(NamedTuple):
     """A walk that rebuilds a structure, made by ``make``: ``walk(x, state)``, and the same on a stack."""
 
@@ -69,7 +71,7 @@ def make(
     kind_of: Callable[[type], _tree.Kind],
     slot: Callable[[Any, Any], Any] | None = None,
     skip: frozenset[Any] = frozenset(),
-    held: Callable[[Any, Any], Any] | None = None,
+    held: Callable[[Any, Any], Any] = _as_it_is,
 ) -> Walk:
     """The walk that rebuilds a structure: every container anew, every leaf through these functions.
 
@@ -86,8 +88,6 @@ def make(
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
     if slot is None:
         slot = functools.partial(_slot_leaf, leaf)
-    if held is None:
-        held = _as_it_is
 
     def walk(x: Any, s: Any) -> Any:
         tp = type(x)
@@ -252,10 +252,6 @@ def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
     return shape == b.shape and all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
 
 
-def _as_it_is(x: Any, s: Any) -> Any:
-    return x
-
-
 def _slot_leaf(leaf: Callable[[Any, int, Any], Any], x: Any, s: Any) -> Any:
     return leaf(x, _SLOT, s)
 
@@ -287,9 +283,7 @@ class CycleError(Exception):
 
     def __init__(self, first: str, repeat: str, node: Any) -> None:
         super().__init__(repeat)
-        self.first = first
-        self.repeat = repeat
-        self.node = node
+        self.first, self.repeat, self.node = first, repeat, node
 
 
 def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()) -> Iterator[tuple[str, Any]]:
@@ -368,14 +362,11 @@ def _nodes(
 
 def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
     """The first path at which ``target`` (by identity) sits inside ``obj``, outside the items skipped."""
-    try:
+    # Not found: a cycle, nesting too deep, or a container that cannot list what it holds (past the target if there).
+    with contextlib.suppress(Exception):
         for link, node in _nodes(obj, False, skip, None, _linked, _joined):
             if node is target:
                 return _joined(link)
-    except (CycleError, RecursionError):
-        pass
-    except Exception:  # a container that cannot list what it holds, past the target if it was there: not found
-        pass
     return None
 
 
@@ -584,10 +575,8 @@ def rest_of_mapping(
                 if new is not value:
                     changes.append((key, new))
     for key, value in changes:
-        try:
+        with contextlib.suppress(Exception):  # a mapping that validates what it is given: as its .to() left that item
             out[key] = value
-        except Exception:  # a mapping that validates what it is given: that item stays as its .to() left it
-            continue
     return out
 
 
@@ -647,12 +636,9 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
 def _holds_floating(obj: Any) -> bool:
     """Whether an object with ``.to()`` holds a floating-point or complex tensor, as far as ``inside`` shows."""
     try:
-        for _, node in paths([value for _, value in inside(obj)]):
-            if isinstance(node, torch.Tensor) and casts(node):
-                return True
+        return any(isinstance(node, torch.Tensor) and casts(node) for _, node in paths([v for _, v in inside(obj)]))
     except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide
         return True
-    return False
 
 
 def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
