@@ -21,15 +21,11 @@ _Tensor = torch.Tensor
 def _tensors(
     obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in ``obj``, at every place it is reached.
+    """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name.
 
-    A module's tensors go by qualified name, wherever the module sits. An object that moves itself
-    through ``.to()`` (PackedSequence, a tokenizer's BatchEncoding) is looked into as well: its
-    fields, items or attributes. So is a PackedBatch: its packed tensors are where its buffer is,
-    each at its place in the structure (``views`` fill its skeleton's slots). ``within`` holds the
-    ``.to()`` objects being looked into, by id, with their paths: one that holds itself, or its
-    parent, is a cycle.
-    """
+    An object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (its
+    tensors are views of its buffer, which fill its skeleton's slots). ``within`` holds the ``.to()`` objects being
+    looked into, by id, with their paths: one that holds itself, or its parent, is a cycle."""
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
         for name, p in obj.named_parameters(remove_duplicate=False):
@@ -202,7 +198,12 @@ def audit(module: nn.Module, /) -> list[Finding]:
             where = prefix + attr
             if isinstance(value, torch.Tensor):
                 if id(value) not in registered and not _recomputed(sub, attr):
-                    findings.append(_unregistered(where, attr, value))
+                    msg = (
+                        f"{where} is a tensor attribute on {value.device}, neither a parameter nor a buffer: "
+                        f"Module.to() will not move it. Register it with self.register_buffer({attr!r}, tensor) "
+                        f"(persistent=False to keep it out of the state_dict), or make it an nn.Parameter."
+                    )
+                    findings.append(Finding(where, "unregistered-tensor", msg))
             elif _tree.kind_of(type(value)).code == _tree.NODE:  # every container the walk takes apart
                 findings.extend(_in_container(where, value, registered))
         findings.extend(_split(name, sub))
@@ -214,16 +215,6 @@ def _recomputed(module: nn.Module, attr: str) -> bool:
     and spectral norm keep ``<attr>_orig``, the old weight norm ``<attr>_g`` and ``<attr>_v``."""
     params = module._parameters
     return f"{attr}_orig" in params or (f"{attr}_g" in params and f"{attr}_v" in params)
-
-
-def _unregistered(where: str, attr: str, value: torch.Tensor) -> Finding:
-    return Finding(
-        where,
-        "unregistered-tensor",
-        f"{where} is a tensor attribute on {value.device}, neither a parameter nor a buffer: Module.to() will not "
-        f"move it. Register it with self.register_buffer({attr!r}, tensor) (persistent=False to keep it out of "
-        f"the state_dict), or make it an nn.Parameter.",
-    )
 
 
 def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Finding]:
@@ -333,9 +324,7 @@ class _Hook:
     """The pre-hook of one submodule: cheap when inputs are right, precise when they are not."""
 
     def __init__(self, name: str, module: nn.Module, ignore: frozenset[str]) -> None:
-        self.name = name
-        self.module = module
-        self.ignore = ignore
+        self.name, self.module, self.ignore = name, module, ignore
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # The module's device, read at each call (it may have moved since the guard went on), from its
@@ -371,10 +360,7 @@ class _Hook:
         ]
 
     def _fail(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        wrong = self._wrong(want, args, kwargs)
-        where = ", ".join(f"{path} is on {dev}" for path, dev in wrong[:SHOWN])
-        if len(wrong) > SHOWN:
-            where += f" and {len(wrong) - SHOWN} more"
+        where = _listing([f"{path} is on {dev}" for path, dev in self._wrong(want, args, kwargs)])
         name = f"Module {self.name}" if self.name else "The top module"
         msg = (
             f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "

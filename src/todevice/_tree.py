@@ -94,16 +94,12 @@ def dense(t: Any) -> bool:
 
 
 class Slot(int):
-    """A hole in a packed structure's skeleton: the place of the ``int(self)``-th tensor taken out.
-
-    An int, so that making one costs no Python frame (one is made per tensor packed) and filling
-    one is a list index.
-    """
+    """A hole in a packed structure's skeleton: the place of the ``int(self)``-th tensor taken out. An int, so that
+    making one (per tensor packed) costs no Python frame and filling one is a list index."""
 
     __slots__ = ()
 
-    # Equal to itself only: a skeleton may hold a slot beside a plain int in a set or as a dict
-    # value, and a slot equal to 0 would swallow the 0 in a set.
+    # Equal to itself only: beside a plain int in a skeleton's set, a slot equal to 0 would swallow the 0.
     __hash__ = object.__hash__
 
     def __eq__(self, other: object) -> bool:
@@ -155,13 +151,10 @@ class Packed:
 
 
 class Deferred:
-    """A registered container in a packed skeleton: rebuilt by its own unflatten only when unpacked.
-
-    While packing, its children are slots, which a user's unflatten may not expect (it may read a
-    child's shape); so the packing walk keeps the pieces, and unpacking calls unflatten with tensors.
-    To the walk it is a container whose unflatten is the one registered when it was packed, so a
-    move sees one registration even if another thread unregisters the type meanwhile. Pickled (to
-    another process), it keeps only the class, and unpacking there uses that process's registration.
+    """A registered container in a packed skeleton, rebuilt by its own unflatten only when unpacked: while packing,
+    its children are slots, which a user's unflatten may not expect (it may read a child's shape). Its unflatten is
+    the one registered when it was packed, so a move sees one registration even if another thread unregisters the type
+    meanwhile; pickled (to another process), it keeps only the class, and unpacking uses that process's registration.
     """
 
     __slots__ = ("aux", "children", "cls", "unflatten")
