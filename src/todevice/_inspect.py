@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
@@ -21,18 +22,14 @@ _Tensor = torch.Tensor
 def _tensors(
     obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name.
-
-    An object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (its
-    tensors are views of its buffer, which fill its skeleton's slots). ``within`` holds the ``.to()`` objects being
-    looked into, by id, with their paths: one that holds itself, or its parent, is a cycle."""
+    """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name. An
+    object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (views of
+    its buffer fill its skeleton's slots). ``within`` holds the ``.to()`` objects being looked into, by id, with their
+    paths: one that holds itself, or its parent, is a cycle."""
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
-        for name, p in obj.named_parameters(remove_duplicate=False):
-            yield f"{prefix}{sep}{name}", p
-        for name, b in obj.named_buffers(remove_duplicate=False):
-            if b is not None:
-                yield f"{prefix}{sep}{name}", b
+        for name, t in [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]:
+            yield f"{prefix}{sep}{name}", t
         return
     try:
         for path, node in _walk.paths(obj, revisit=True):
@@ -244,8 +241,7 @@ def _split(name: str, module: nn.Module) -> Iterator[Finding]:
     prefix = f"{name}." if name else ""
     split: dict[torch.device, list[str]] = {}
     for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        if t is not None:
-            split.setdefault(t.device, []).append(prefix + n)
+        split.setdefault(t.device, []).append(prefix + n)
     if len(split) > 1:
         where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
         yield Finding(
@@ -295,7 +291,7 @@ class guard:  # named like a function: it is called, and used as a context manag
         self.ignore = frozenset(names) | frozenset(f"kwargs[{name!r}]" for name in names)
         self._handles: list[Any] = []
         for name, sub in module.named_modules():
-            if next(_own_tensors(sub), None) is None:
+            if next(itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False)), None) is None:
                 continue  # containers: their children check what reaches them
             self._handles.append(sub.register_forward_pre_hook(_Hook(name, sub, self.ignore), with_kwargs=True))
 
@@ -313,11 +309,6 @@ class guard:  # named like a function: it is called, and used as a context manag
 
     def __repr__(self) -> str:
         return f"todevice.guard({type(self.module).__name__}, {len(self._handles)} hooks)"
-
-
-def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from module.parameters(recurse=False)
-    yield from (b for b in module.buffers(recurse=False) if b is not None)
 
 
 class _Hook:

@@ -69,8 +69,7 @@ def _object_kind(tp: type) -> Kind:
     items_of: Any = None if base is None or mapping else base.__iter__  # type: ignore[attr-defined]  # read in C
     made_with_items = base is tuple or base is frozenset  # immutable: its items go to its __new__
     slots = tuple(dict.fromkeys(name for klass in tp.__mro__ for name in _slot_names(klass)))
-    # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
-    # them) are read and written with it, in one call each.
+    # Fields in the instance __dict__ (no slot or descriptor of the class stands in) are read and written with it.
     in_dict = not slots and not any(hasattr(type(getattr(tp, name, None)), "__set__") for name in fields)
     direct = (() if in_dict else fields) + tuple(name for name in slots if name not in fields)
     hidden = frozenset(direct)  # not read again from __dict__
@@ -205,8 +204,8 @@ def _container_base(tp: type) -> type | None:
 
 # A namedtuple or structseq is a tuple too: _tree tells those apart first.
 _BASES = (collections.defaultdict, collections.OrderedDict, dict, list, tuple, collections.deque, set, frozenset)
-# Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved
-# through those attributes, which keeps the inner container's own type (an OrderedDict ``data``).
+# Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved through those,
+# which keeps the inner container's own type (an OrderedDict ``data``).
 _IN_ATTRIBUTES = (collections.UserDict, collections.UserList, collections.ChainMap)
 
 
@@ -218,9 +217,7 @@ def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
 
     def run(obj: Any) -> tuple[list[Any], Any]:
         out = flatten(obj)
-        children, aux = list(out[0]), out[1]
-        entries = out[2] if len(out) > 2 else None
-        return children, (aux, entries)
+        return list(out[0]), (out[1], out[2] if len(out) > 2 else None)
 
     def run_mapping(obj: Any) -> tuple[list[Any], Any]:
         children, (aux, entries) = run(obj)

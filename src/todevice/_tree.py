@@ -1,11 +1,9 @@
 """Container rules and the registry: which objects are trees, and how they come apart and go back together.
 
-Every type is classified once and the answer cached in ``_kinds`` (cleared on each registration
-change; a type's entry goes when the type dies). A container kind is a pair of functions in optree's convention,
-``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, plus ``entry(aux, i)``
-which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``). The walks in ``_walk``
-use these functions for moving, packing, paths and diagnostics alike.
-"""
+Every type is classified once and its rule cached (``_kinds``). A container's rule holds functions in optree's
+convention, ``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, and ``entry(aux, i)``, the
+path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``): ``_walk``'s walks use them for moving, packing, paths
+and diagnostics alike."""
 
 from __future__ import annotations
 
@@ -59,13 +57,6 @@ _ATOMIC_EXACT: frozenset[type] = frozenset(
 # Exact types the hot loops recognise without a cache lookup.
 FAST_ATOMS: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
 _ATOMIC_BASES: tuple[type, ...] = (int, float, complex, str, bytes, enum.Enum, torch.Size)
-
-
-def _is_atomic_type(tp: type) -> bool:
-    if tp in _ATOMIC_EXACT or issubclass(tp, _ATOMIC_BASES):
-        return True
-    numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
-    return numpy is not None and issubclass(tp, numpy.generic)
 
 
 # functorch's wrappers (the tensors inside torch.func.vmap or grad) have no memory of their own: data_ptr() raises.
@@ -137,10 +128,9 @@ def filled(slot: Slot, views: list[Any] | None, aliases: dict[int, tuple[Slot, A
 
 
 class Packed:
-    """What a packed batch is to the walks (:class:`todevice.PackedBatch` is one): ``buffer``, one uint8 tensor with
-    the bytes of every packed tensor; ``layout``, where each lies in it; ``skeleton``, the structure with a slot where
-    each was; ``requires_grad``, the slots whose tensor required grad. ``_move`` moves one: its buffer sent once,
-    its slots filled with views of the copy."""
+    """What a packed batch is to the walks (:class:`todevice.PackedBatch` is one): ``buffer``, the bytes of every
+    packed tensor, which ``layout`` places; ``skeleton``, the structure with a slot where each was; ``requires_grad``,
+    the slots whose tensor required grad. Moved as its buffer sent once, its slots filled with views of the copy."""
 
     __slots__ = ()
 
@@ -154,8 +144,7 @@ class Deferred:
     """A registered container in a packed skeleton, rebuilt by its own unflatten only when unpacked: while packing,
     its children are slots, which a user's unflatten may not expect (it may read a child's shape). Its unflatten is
     the one registered when it was packed, so a move sees one registration even if another thread unregisters the type
-    meanwhile; pickled (to another process), it keeps only the class, and unpacking uses that process's registration.
-    """
+    meanwhile; pickled (to another process), it keeps only the class, unpacked with that process's registration."""
 
     __slots__ = ("aux", "children", "cls", "unflatten")
 
@@ -286,9 +275,7 @@ def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
 def _mapping_deferred(aux: tuple[Any, ...], children: list[Any]) -> Any:
     """A mapping in a packed skeleton: deferred, or the very same object where nothing in it was taken (as move())."""
     src, keys, before = aux
-    if all(map(_unchanged, children, before)):
-        return src
-    return DeferredMapping(type(src), (None, keys), children)
+    return src if all(map(_unchanged, children, before)) else DeferredMapping(type(src), (None, keys), children)
 
 
 def _unchanged(new: Any, old: Any) -> bool:
@@ -314,15 +301,24 @@ _MAPPING_PACKED = _MAPPING._replace(unflatten=_mapping_deferred)
 
 _lock = threading.Lock()
 _registry: dict[type, Kind] = {}  # the rule of each registered type
-# Each type's rule, by the type's id: a type is held weakly (``_refs``), and its entry goes when it dies,
-# so classes made per batch (a namedtuple defined in a function) die with their batch. ``_kinds`` holds the rules
-# that a rule claims (todevice.register() clears it); ``_late`` those of types registered with torch pytree or
-# optree, unknown types and plain mappings, which a later registration or removal there, or a ``.to()`` given to the
-# class, would change, each with what it was worked out under.
+# Each type's rule, by the type's id; the type held weakly (``_refs``), so its entry goes when it dies and classes
+# made per batch (a namedtuple defined in a function) die with their batch. ``_kinds`` holds ``_settled``'s rules
+# (todevice.register() clears it); ``_late`` the others (torch pytree's or optree's, unknown types, plain mappings),
+# which a registration or removal there, or a ``.to()`` given to the class, would change, with what they assumed.
 _kinds: dict[int, Kind] = {}
 _late: dict[int, tuple[Kind, tuple[Any, Any]]] = {}
 _refs: dict[int, weakref.ref[type]] = {}
 _generation = [0]  # bumped by every registration change
+
+
+def _check_registration(cls: object, flatten: object, unflatten: object) -> None:
+    if not isinstance(cls, type):
+        msg = f"Cannot register {cls!r}: expected a class, got {type(cls).__qualname__}. Pass the class itself."
+        raise TypeError(msg)
+    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
+        if not callable(fn):
+            msg = f"Cannot register {cls.__qualname__}: {name} must be callable, got {type(fn).__qualname__}."
+            raise TypeError(msg)
 
 
 def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
@@ -357,13 +353,7 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
 
     .. versionadded:: 0.1.0
     """
-    if not isinstance(cls, type):
-        msg = f"Cannot register {cls!r}: expected a class, got {type(cls).__qualname__}. Pass the class itself."
-        raise TypeError(msg)
-    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
-        if not callable(fn):
-            msg = f"Cannot register {cls.__qualname__}: {name} must be callable, got {type(fn).__qualname__}."
-            raise TypeError(msg)
+    _check_registration(cls, flatten, unflatten)  # typed as objects: what a caller may pass
     if cls in _BUILTIN or cls is torch.Tensor:
         msg = (
             f"Cannot register {cls.__qualname__}: it is a built-in type that todevice already handles. "
@@ -445,9 +435,8 @@ def _has_to(tp: type) -> bool:
 
 
 def _to_kind(tp: type) -> Kind:
-    """The rule of an object with its own ``.to()``: the keywords of move() that its ``.to()`` takes, by its signature
-    (all where it has none: a C method), and ``keys`` set where it is a mapping (a BatchEncoding), which is finished
-    as one after its ``.to()``."""
+    """The rule of an object with its own ``.to()``: the keywords of move() its ``.to()`` takes, by its signature (all
+    for a C method), and ``keys`` set for a mapping (a BatchEncoding), finished as one after its ``.to()``."""
     try:
         params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
         takes = frozenset(n for n in _TO_KEYWORDS if any(p.name == n or p.kind is p.VAR_KEYWORD for p in params))
@@ -500,15 +489,13 @@ def _settled(tp: type) -> Kind | None:
         return _DEFERRED
     if tp is DeferredMapping:
         return _DEFERRED_MAPPING
-    reg = _registry.get(tp)
-    if reg is not None:
-        return reg
-    builtin = _BUILTIN.get(tp)
-    if builtin is not None:
-        return builtin
+    rule = _registry.get(tp) or _BUILTIN.get(tp)
+    if rule is not None:
+        return rule
     if issubclass(tp, torch.Tensor):
         return Kind(TENSOR)
-    if _is_atomic_type(tp):
+    numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
+    if tp in _ATOMIC_EXACT or issubclass(tp, _ATOMIC_BASES) or (numpy is not None and issubclass(tp, numpy.generic)):
         return Kind(ATOM)
     if issubclass(tp, torch.nn.Module):
         return Kind(MODULE)
@@ -581,9 +568,8 @@ def _foreign(tp: type) -> tuple[Any, Any]:
 def _learn(tp: type) -> int:
     """Classify ``tp`` and cache its rule. Under torch.compile dynamo calls this as plain Python (it is marked as
     giving a constant), so it never traces the lock, and reads the rule from the cache afterwards."""
-    # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which
-    # could call back into todevice. A registration made meanwhile makes the answer stale, so
-    # it is only cached when no registration happened since.
+    # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which could call back into
+    # todevice. Cached only where no registration happened meanwhile, which would make the answer stale.
     generation = _generation[0]
     kind, under = _settled(tp), None
     if kind is None:

@@ -1,11 +1,6 @@
-"""The walks over a structure: rebuilt leaf by leaf for move() and pack(), or listed by path.
-
-``make`` builds the walk that rebuilds a structure, from what happens to a tensor (``keep`` and
-``tensor``) and to any other leaf (``leaf``); the container rules come from ``_tree``. It recurses,
-and the same walk runs on an explicit stack (``walk_iteratively``) for nesting deeper than
-Python's recursion limit. ``paths`` lists every ``(path, node)`` of a structure
-by the same rules, for error messages, ``strict=True`` and the diagnostics.
-"""
+"""The walks over a structure, by ``_tree``'s container rules: rebuilt leaf by leaf for move() and pack() (``make``:
+recursive, and the same on an explicit stack for nesting deeper than Python's recursion limit), or listed by path
+(``paths``: for error messages, ``strict=True`` and the diagnostics)."""
 
 from __future__ import annotations
 
@@ -71,14 +66,12 @@ def make(
     skip: frozenset[Any] = frozenset(),
     held: Callable[[Any, Any], Any] = _as_it_is,
 ) -> Walk:
-    """The walk that rebuilds a structure: every container anew, every leaf through these functions.
-
-    ``keep(t)``, called for every tensor (so a C callable where it can be: ``attrgetter("is_cpu")``), says whether it
-    comes back as it is; ``tensor(t, state)`` gives what replaces the others, ``leaf(x, code, state)`` what replaces
-    any other leaf but an atom, by its ``_tree`` code, and ``slot(x, state)`` a packed batch's slot, inline like a
-    tensor (by default, ``leaf`` does). ``state`` is one call's own: the functions are made once and shared by every
-    call. A mapping's item under a key in ``skip`` comes back as ``held(item, state)`` gives it (as it is).
-    """
+    """The walk that rebuilds a structure: every container anew, every leaf through these functions. ``keep(t)``,
+    called for every tensor (so a C callable where it can be: ``attrgetter("is_cpu")``), says whether it comes back as
+    it is; ``tensor(t, state)`` gives what replaces the others, ``leaf(x, code, state)`` what replaces any other leaf
+    but an atom, by its ``_tree`` code, and ``slot(x, state)`` a packed batch's slot, inline like a tensor (by
+    default, ``leaf`` does). ``state`` is one call's own: the functions are made once and shared by every call. A
+    mapping's item under a key in ``skip`` comes back as ``held(item, state)`` gives it (as it is)."""
     # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
     if slot is None:
@@ -88,8 +81,7 @@ def make(
         tp = type(x)
         if tp is tensor_type:
             return x if keep(x) else tensor(x, s)
-        # Containers handle their leaves inline: a call per leaf would cost as much as everything else
-        # done for a tensor that stays where it is.
+        # Containers handle their leaves inline: a call per leaf costs as much as all else done for a tensor kept.
         if tp is dict and not skip:
             return {
                 k: (
@@ -249,8 +241,7 @@ def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozens
     """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end (not under ``skip``'s
     keys, whose items are not walked)."""
     try:
-        for _ in _nodes(x, False, skip, None, _linked, _joined):  # no path built on the way: linear in the depth
-            pass
+        collections.deque(_nodes(x, False, skip, None, _linked, _joined), maxlen=0)  # no path built: linear in depth
     except CycleError as cycle:
         raise ValueError(cycle_message(cycle, verb)) from err
     except Exception:  # a container that cannot list its items: the walk that follows reports it, with its path
@@ -309,8 +300,7 @@ def _nodes(
     named (a cycle, or the node looked for)."""
     stack: list[tuple[Link, Any, bool]] = [(root, obj, False)]
     on_path: dict[int, Link] = {}
-    # Finished containers, kept alive: a registered flatten may build its children afresh, and the
-    # id of a freed one could be reused by a container not walked yet.
+    # Finished containers, kept alive: a flatten may build its children afresh, and a freed one's id could be reused.
     done: dict[int, Any] = {}
     while stack:
         link, node, leaving = stack.pop()
@@ -416,9 +406,8 @@ def inside(obj: Any) -> Iterator[tuple[str, Any]]:
         yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
 
 
-# Types whose .to() is known to return a new object and leave the original alone; any other
-# .to() object is copied first, because several popular ones (tokenizer BatchEncoding, PyG Data)
-# move their contents in place and return self, which would mutate the input.
+# Types whose .to() is known to return a new object and leave the original alone; any other .to() object is copied
+# first: several popular ones (a tokenizer's BatchEncoding, PyG's Data) move their contents in place and return self.
 _PURE_TO: frozenset[type] = frozenset({torch.nn.utils.rnn.PackedSequence})
 _PLAIN_CONTAINERS = (dict, list)
 _JUST_TENSORS = frozenset({torch.Tensor})
@@ -426,12 +415,10 @@ _JUST_TENSORS = frozenset({torch.Tensor})
 
 def copy_for_to(obj: Any) -> Any:
     """What ``obj``'s own ``.to()`` is called on: a copy, so that a ``.to()`` that works in place leaves ``obj`` alone.
-
     ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is its word), the plain dicts and
     lists its attributes hold, at any depth, are copied too: a ``.to()`` that writes ``self.data[k] = ...`` writes into
     the copy's. Anything else is shared. One that cannot be copied (``copy.copy`` raises, or recurses without end near
-    the top of the stack) is returned as it is.
-    """
+    the top of the stack) is returned as it is."""
     tp = type(obj)
     if tp in _PURE_TO:
         return obj
@@ -511,15 +498,13 @@ def rest_of_mapping(
     dtype: torch.dtype | None,
 ) -> Any:
     """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be; returns ``out``.
-
     Such a ``.to()`` (a BatchEncoding's) moves only what has a ``.to()``: a container item is moved by ``move_item``.
     Each tensor its ``.to()`` copied as move() would (to ``dev``, cast to ``dtype`` where move() casts) goes to
     ``once(source, copy)``, which answers with the move's one copy of that source (one made elsewhere before, or this
     one, kept): a tensor held twice stays one. A tensor its ``.to()`` left, or copied otherwise, is its own choice,
     kept, never standing for the source elsewhere. An item under ``skip``'s keys is put back as ``obj`` holds it.
     Written with ``out[key] = ...``: an item ``out`` refuses stays as its ``.to()`` left it; an ``out`` that is not a
-    mutable mapping is left as it is.
-    """
+    mutable mapping is left as it is."""
     items = _items(out)
     if items is out and not isinstance(out, collections.abc.MutableMapping):
         return out
@@ -574,11 +559,9 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
     """``obj`` moved by its own ``.to()``, on a copy where it can be copied (``copy_for_to``); raises ``LeafError``.
-
     With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as ``inside`` shows), its ``.to()``
     gets ``dtype=`` too, as ``nn.Module.to`` does (a TypeError where it takes none, rather than leave them uncast); one
-    that holds none is moved without it, so its integer tensors keep their dtype whatever its ``.to()`` would do.
-    """
+    that holds none is moved without it, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
     tp = type(obj)
     casts: dict[str, torch.dtype] = {}
     if dtype is not None and _holds_floating(obj):
@@ -590,15 +573,13 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
             raise LeafError(obj, TypeError(msg))
         casts["dtype"] = dtype
     target = copy_for_to(obj)
+    takes = {"non_blocking": non_blocking} if _tree.to_takes(tp, "non_blocking") else {}
     try:
-        if _tree.to_takes(tp, "non_blocking"):
-            try:
-                out = target.to(dev, non_blocking=non_blocking, **casts)
-            except TypeError as err:
-                if "non_blocking" not in str(err):
-                    raise
-                out = target.to(dev, **casts)
-        else:
+        try:
+            out = target.to(dev, **takes, **casts)
+        except TypeError as err:
+            if not takes or "non_blocking" not in str(err):
+                raise
             out = target.to(dev, **casts)
     except RecursionError:
         raise
