@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
@@ -21,22 +22,14 @@ _Tensor = torch.Tensor
 def _tensors(
     obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in ``obj``, at every place it is reached.
-
-    A module's tensors go by qualified name, wherever the module sits. An object that moves itself
-    through ``.to()`` (PackedSequence, a tokenizer's BatchEncoding) is looked into as well: its
-    fields, items or attributes. So is a PackedBatch: its packed tensors are where its buffer is,
-    each at its place in the structure (``views`` fill its skeleton's slots). ``within`` holds the
-    ``.to()`` objects being looked into, by id, with their paths: one that holds itself, or its
-    parent, is a cycle.
-    """
+    """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name. An
+    object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (views of
+    its buffer fill its skeleton's slots). ``within`` holds the ``.to()`` objects being looked into, by id, with their
+    paths: one that holds itself, or its parent, is a cycle."""
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
-        for name, p in obj.named_parameters(remove_duplicate=False):
-            yield f"{prefix}{sep}{name}", p
-        for name, b in obj.named_buffers(remove_duplicate=False):
-            if b is not None:
-                yield f"{prefix}{sep}{name}", b
+        for name, t in [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]:
+            yield f"{prefix}{sep}{name}", t
         return
     try:
         for path, node in _walk.paths(obj, revisit=True):
@@ -202,7 +195,12 @@ def audit(module: nn.Module, /) -> list[Finding]:
             where = prefix + attr
             if isinstance(value, torch.Tensor):
                 if id(value) not in registered and not _recomputed(sub, attr):
-                    findings.append(_unregistered(where, attr, value))
+                    msg = (
+                        f"{where} is a tensor attribute on {value.device}, neither a parameter nor a buffer: "
+                        f"Module.to() will not move it. Register it with self.register_buffer({attr!r}, tensor) "
+                        f"(persistent=False to keep it out of the state_dict), or make it an nn.Parameter."
+                    )
+                    findings.append(Finding(where, "unregistered-tensor", msg))
             elif _tree.kind_of(type(value)).code == _tree.NODE:  # every container the walk takes apart
                 findings.extend(_in_container(where, value, registered))
         findings.extend(_split(name, sub))
@@ -214,16 +212,6 @@ def _recomputed(module: nn.Module, attr: str) -> bool:
     and spectral norm keep ``<attr>_orig``, the old weight norm ``<attr>_g`` and ``<attr>_v``."""
     params = module._parameters
     return f"{attr}_orig" in params or (f"{attr}_g" in params and f"{attr}_v" in params)
-
-
-def _unregistered(where: str, attr: str, value: torch.Tensor) -> Finding:
-    return Finding(
-        where,
-        "unregistered-tensor",
-        f"{where} is a tensor attribute on {value.device}, neither a parameter nor a buffer: Module.to() will not "
-        f"move it. Register it with self.register_buffer({attr!r}, tensor) (persistent=False to keep it out of "
-        f"the state_dict), or make it an nn.Parameter.",
-    )
 
 
 def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Finding]:
@@ -253,8 +241,7 @@ def _split(name: str, module: nn.Module) -> Iterator[Finding]:
     prefix = f"{name}." if name else ""
     split: dict[torch.device, list[str]] = {}
     for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        if t is not None:
-            split.setdefault(t.device, []).append(prefix + n)
+        split.setdefault(t.device, []).append(prefix + n)
     if len(split) > 1:
         where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
         yield Finding(
@@ -304,7 +291,7 @@ class guard:  # named like a function: it is called, and used as a context manag
         self.ignore = frozenset(names) | frozenset(f"kwargs[{name!r}]" for name in names)
         self._handles: list[Any] = []
         for name, sub in module.named_modules():
-            if next(_own_tensors(sub), None) is None:
+            if next(itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False)), None) is None:
                 continue  # containers: their children check what reaches them
             self._handles.append(sub.register_forward_pre_hook(_Hook(name, sub, self.ignore), with_kwargs=True))
 
@@ -324,18 +311,11 @@ class guard:  # named like a function: it is called, and used as a context manag
         return f"todevice.guard({type(self.module).__name__}, {len(self._handles)} hooks)"
 
 
-def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from module.parameters(recurse=False)
-    yield from (b for b in module.buffers(recurse=False) if b is not None)
-
-
 class _Hook:
     """The pre-hook of one submodule: cheap when inputs are right, precise when they are not."""
 
     def __init__(self, name: str, module: nn.Module, ignore: frozenset[str]) -> None:
-        self.name = name
-        self.module = module
-        self.ignore = ignore
+        self.name, self.module, self.ignore = name, module, ignore
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         # The module's device, read at each call (it may have moved since the guard went on), from its
@@ -371,10 +351,7 @@ class _Hook:
         ]
 
     def _fail(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        wrong = self._wrong(want, args, kwargs)
-        where = ", ".join(f"{path} is on {dev}" for path, dev in wrong[:SHOWN])
-        if len(wrong) > SHOWN:
-            where += f" and {len(wrong) - SHOWN} more"
+        where = _listing([f"{path} is on {dev}" for path, dev in self._wrong(want, args, kwargs)])
         name = f"Module {self.name}" if self.name else "The top module"
         msg = (
             f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "

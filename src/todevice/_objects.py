@@ -50,50 +50,33 @@ _NO_KEY: Any = object()  # the key of a child that is not a mapping's item (a da
 # ---------------------------------------------------------------- dataclasses, dict and list subclasses, mappings
 
 
-def _bare_new(tp: type) -> Callable[..., Any]:
-    """What makes an empty ``tp`` (called with ``tp``) without running a ``__new__`` or ``__init__`` written in Python.
-
-    The first built-in base's ``__new__`` (``dict.__new__``, ``object.__new__``): a subclass's own
-    ``__new__`` may want arguments that only its author knows.
-    """
-    for klass in tp.__mro__:
-        if not klass.__flags__ & _HEAPTYPE:
-            return klass.__new__
-    return object.__new__  # pragma: no cover (object is never a heap type)
-
-
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not by C
 
 
 def _object_kind(tp: type) -> Kind:
     """The rule of a dataclass, a subclass of dict, list, tuple (not a namedtuple), deque, set or frozenset, a UserDict,
-    UserList or ChainMap: worked out once per type.
-
-    Every instance attribute is a child, moved like the fields: dataclass fields, other attributes
-    (set in ``__post_init__``, a ``functools.cached_property`` value, a UserDict's ``data``) and slots,
-    then the items. So no tensor reachable from the result is left behind. An attribute that is one
-    of the items (an attribute-access dict keeps each item as an attribute too) is not walked again:
-    the copy's attribute is its copied item. Attributes are read and written below any
-    ``__getattr__`` or ``__setattr__`` of the class. The copy is never passed through ``__init__``,
-    ``__new__`` or ``__setitem__`` written in Python: the constructor of a subclass may want other
-    arguments, and frozen dataclasses refuse setattr. A tuple or frozenset subclass is made with its items by its
-    built-in base's ``__new__``; a deque subclass keeps its ``maxlen``. Its aux data is (source, attributes set
-    directly, attributes in ``__dict__``, dict keys, attributes that are items). The copy's type is the source's:
-    the rule never holds ``tp``, so that the cache, which holds rules, lets a class made per batch die.
-    """
+    UserList or ChainMap. Every instance attribute is a child (fields, attributes set in ``__post_init__``, a
+    ``cached_property`` value, a UserDict's ``data``, slots), then the items: no tensor reachable from the result is
+    left behind. An attribute that is one of the items (an attribute-access dict) becomes the copy's copied item.
+    Attributes are read and written below the class's ``__getattr__`` and ``__setattr__``; the copy never goes through
+    an ``__init__``, ``__new__`` or ``__setitem__`` written in Python (a subclass's may want other arguments, a frozen
+    dataclass refuses setattr). Aux: (source, attributes set directly, attributes in ``__dict__``, dict keys,
+    attributes that are items). The rule never holds ``tp`` (the copy's type is the source's): the cache, which holds
+    rules, lets a class made per batch die."""
     fields = tuple(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
     base = _container_base(tp)
     mapping = base is not None and issubclass(base, dict)
     items_of: Any = None if base is None or mapping else base.__iter__  # type: ignore[attr-defined]  # read in C
     made_with_items = base is tuple or base is frozenset  # immutable: its items go to its __new__
     slots = tuple(dict.fromkeys(name for klass in tp.__mro__ for name in _slot_names(klass)))
-    # Fields that live in the instance __dict__ (no slot or descriptor of the class stands in for
-    # them) are read and written with it, in one call each.
+    # Fields in the instance __dict__ (no slot or descriptor of the class stands in) are read and written with it.
     in_dict = not slots and not any(hasattr(type(getattr(tp, name, None)), "__set__") for name in fields)
     direct = (() if in_dict else fields) + tuple(name for name in slots if name not in fields)
     hidden = frozenset(direct)  # not read again from __dict__
     has_dict = tp.__dictoffset__ != 0
-    new = _bare_new(tp)
+    # What makes an empty tp: the first built-in base's __new__ (dict.__new__, object.__new__), never one written in
+    # Python, which may want arguments only its author knows.
+    new: Any = next(klass.__new__ for klass in tp.__mro__ if not klass.__flags__ & _HEAPTYPE)
     # Under torch.compile a dataclass that object.__new__ makes, its attributes all in its __dict__, is taken by the
     # ATTRIBUTES form (dynamo cannot call object.__getattribute__): read with vars(), written with object.__setattr__.
     made_by_object: bool = tp.__new__ is object.__new__  # type: ignore[comparison-overlap]
@@ -127,13 +110,8 @@ def _object_kind(tp: type) -> Kind:
                 continue
             names.append(name)
             children.append(value)
-        keys: list[Any] | None = None
-        items: list[Any] = []
-        if mapping:
-            keys = list(keys_of(obj))
-            items = list(values_of(obj))
-        elif items_of is not None:
-            items = list(items_of(obj))
+        keys = list(keys_of(obj)) if mapping else None
+        items = list(values_of(obj)) if mapping else [] if items_of is None else list(items_of(obj))
         state: Any = _get(obj, "__dict__") if has_dict else None
         in_state: list[str] = []
         mirrors: Any = None  # attributes that are items: (name, item index) pairs, or True for __dict__ is obj
@@ -199,12 +177,10 @@ def _slot_names(klass: type) -> tuple[str, ...]:
 
 def _object_entry(aux: tuple[Any, ...], i: int) -> str:
     src, names, in_state, keys, _ = aux
-    n = len(names)
-    if i < n:
-        return f".{names[i]}"
-    if i < n + len(in_state):
-        return f".{in_state[i - n]}"
-    i -= n + len(in_state)
+    attributes = (*names, *in_state)
+    if i < len(attributes):
+        return f".{attributes[i]}"
+    i -= len(attributes)
     if keys is not None:
         return f"[{keys[i]!r}]"
     return f"{{{i}}}" if isinstance(src, (set, frozenset)) else f"[{i}]"  # a set's element by its place in iteration
@@ -223,16 +199,13 @@ def _sequence_keys(aux: tuple[Any, ...]) -> list[Any]:
 
 
 def _container_base(tp: type) -> type | None:
-    for base in _BASES:
-        if issubclass(tp, base):
-            return base
-    return None
+    return next((base for base in _BASES if issubclass(tp, base)), None)
 
 
 # A namedtuple or structseq is a tuple too: _tree tells those apart first.
 _BASES = (collections.defaultdict, collections.OrderedDict, dict, list, tuple, collections.deque, set, frozenset)
-# Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved
-# through those attributes, which keeps the inner container's own type (an OrderedDict ``data``).
+# Mappings and sequences that keep their contents in instance attributes (``data``, ``maps``): moved through those,
+# which keeps the inner container's own type (an OrderedDict ``data``).
 _IN_ATTRIBUTES = (collections.UserDict, collections.UserList, collections.ChainMap)
 
 
@@ -244,9 +217,7 @@ def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
 
     def run(obj: Any) -> tuple[list[Any], Any]:
         out = flatten(obj)
-        children, aux = list(out[0]), out[1]
-        entries = out[2] if len(out) > 2 else None
-        return children, (aux, entries)
+        return list(out[0]), (out[1], out[2] if len(out) > 2 else None)
 
     def run_mapping(obj: Any) -> tuple[list[Any], Any]:
         children, (aux, entries) = run(obj)
@@ -260,23 +231,17 @@ def _registered_flatten(flatten: Flatten, mapping: bool = False) -> Flatten:
 
 # The path entries of torch pytree's flatten_with_keys_fn: an item's key, an index, an attribute's name. Each names
 # itself in a path (``['x']``, ``[0]``, ``.x``).
-_MAPPING_KEY: type = _pytree.MappingKey
 _TORCH_KEYS: tuple[type, ...] = (_pytree.MappingKey, _pytree.SequenceKey, _pytree.GetAttrKey)
 
 
 def _keys_of_items(obj: Any, children: list[Any], entries: Any, context: Any) -> list[Any]:
-    """The key of each child of a registered mapping that is one of its items, ``_NO_KEY`` for any other: so that
-    ``skip_keys`` reaches inside it as inside any other mapping (a ModelOutput).
-
-    Read from the registration where it says: torch pytree's ``flatten_with_keys_fn`` where it names every child by a
-    ``MappingKey`` (``register_dataclass`` names them by ``GetAttrKey``: no keys), optree's entries, or a context that
-    lists the keys (a dict-like registration's), each taken where every key it names holds that very child. Else
-    each child's key by identity:
-    its values in order (the usual flatten), or else the first item not yet taken that is the child; so one object
-    under two keys is taken in the mapping's order, whatever order the flatten lists them in. Found with ``is``,
-    never an ``id()``: under torch.compile an ``id()`` would make dynamo guard on the objects of one batch.
-    """
-    if entries and all(type(e) is _MAPPING_KEY for e in entries):  # torch's keys for a mapping's items
+    """The key of each child of a registered mapping that is one of its items, ``_NO_KEY`` for any other, so that
+    ``skip_keys`` reaches inside it (a ModelOutput). Read from the registration where it says (torch's ``MappingKey``
+    entries, not ``register_dataclass``'s ``GetAttrKey``; optree's entries; a context that lists the keys) and each
+    key names that very child; else by identity: its values in order, or else the first item not yet taken that is
+    the child (one object under two keys, taken in the mapping's order). With ``is``, never ``id()``: under
+    torch.compile an ``id()`` would make dynamo guard on the objects of one batch."""
+    if entries and all(type(e) is _pytree.MappingKey for e in entries):  # torch's keys for a mapping's items
         return [e.key for e in entries]
     try:
         items = list(obj.items())

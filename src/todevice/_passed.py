@@ -4,6 +4,7 @@ warnings for what passing it leaves behind. Both name each object's path."""
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import io
 import itertools
 import sys
@@ -51,12 +52,10 @@ def warn_left_behind(found: list[tuple[Any, tuple[str, str]]], original: Any, sk
     the caller's line, so Python's default filter shows it once per line and message."""
     wanted = {id(obj) for obj, _ in found}
     where: dict[int, list[str]] = {}
-    try:
+    with contextlib.suppress(Exception):  # a container that cannot list what it holds: the places found before it
         for link, node in _every_node(original, skip, None):
             if id(node) in wanted:
                 where.setdefault(id(node), []).append(_walk.format_path(_walk._joined(link)))
-    except Exception:  # a container that cannot list what it holds: the places found before it
-        pass
     kinds: dict[tuple[str, str], list[str]] = {}
     for obj, reason in {id(obj): (obj, reason) for obj, reason in found}.values():
         kinds.setdefault(reason, []).extend(where.get(id(obj), ()))

@@ -1,11 +1,9 @@
 """Container rules and the registry: which objects are trees, and how they come apart and go back together.
 
-Every type is classified once and the answer cached in ``_kinds`` (cleared on each registration
-change; a type's entry goes when the type dies). A container kind is a pair of functions in optree's convention,
-``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, plus ``entry(aux, i)``
-which writes the path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``). The walks in ``_walk``
-use these functions for moving, packing, paths and diagnostics alike.
-"""
+Every type is classified once and its rule cached (``_kinds``). A container's rule holds functions in optree's
+convention, ``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``, and ``entry(aux, i)``, the
+path fragment of child ``i`` (``['x']``, ``[2]``, ``.field``): ``_walk``'s walks use them for moving, packing, paths
+and diagnostics alike."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ import operator
 import sys
 import threading
 import weakref
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -60,13 +59,6 @@ FAST_ATOMS: frozenset[type] = frozenset({type(None), bool, int, float, str, byte
 _ATOMIC_BASES: tuple[type, ...] = (int, float, complex, str, bytes, enum.Enum, torch.Size)
 
 
-def _is_atomic_type(tp: type) -> bool:
-    if tp in _ATOMIC_EXACT or issubclass(tp, _ATOMIC_BASES):
-        return True
-    numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
-    return numpy is not None and issubclass(tp, numpy.generic)
-
-
 # functorch's wrappers (the tensors inside torch.func.vmap or grad) have no memory of their own: data_ptr() raises.
 # They exist only while a transform is active, which one C call tells.
 wrapped: Callable[[torch.Tensor], bool] = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False)
@@ -93,16 +85,12 @@ def dense(t: Any) -> bool:
 
 
 class Slot(int):
-    """A hole in a packed structure's skeleton: the place of the ``int(self)``-th tensor taken out.
-
-    An int, so that making one costs no Python frame (one is made per tensor packed) and filling
-    one is a list index.
-    """
+    """A hole in a packed structure's skeleton: the place of the ``int(self)``-th tensor taken out. An int, so that
+    making one (per tensor packed) costs no Python frame and filling one is a list index."""
 
     __slots__ = ()
 
-    # Equal to itself only: a skeleton may hold a slot beside a plain int in a set or as a dict
-    # value, and a slot equal to 0 would swallow the 0 in a set.
+    # Equal to itself only: beside a plain int in a skeleton's set, a slot equal to 0 would swallow the 0.
     __hash__ = object.__hash__
 
     def __eq__(self, other: object) -> bool:
@@ -140,10 +128,9 @@ def filled(slot: Slot, views: list[Any] | None, aliases: dict[int, tuple[Slot, A
 
 
 class Packed:
-    """What a packed batch is to the walks (:class:`todevice.PackedBatch` is one): ``buffer``, one uint8 tensor with
-    the bytes of every packed tensor; ``layout``, where each lies in it; ``skeleton``, the structure with a slot where
-    each was; ``requires_grad``, the slots whose tensor required grad. ``_move`` moves one: its buffer sent once,
-    its slots filled with views of the copy."""
+    """What a packed batch is to the walks (:class:`todevice.PackedBatch` is one): ``buffer``, the bytes of every
+    packed tensor, which ``layout`` places; ``skeleton``, the structure with a slot where each was; ``requires_grad``,
+    the slots whose tensor required grad. Moved as its buffer sent once, its slots filled with views of the copy."""
 
     __slots__ = ()
 
@@ -154,14 +141,10 @@ class Packed:
 
 
 class Deferred:
-    """A registered container in a packed skeleton: rebuilt by its own unflatten only when unpacked.
-
-    While packing, its children are slots, which a user's unflatten may not expect (it may read a
-    child's shape); so the packing walk keeps the pieces, and unpacking calls unflatten with tensors.
-    To the walk it is a container whose unflatten is the one registered when it was packed, so a
-    move sees one registration even if another thread unregisters the type meanwhile. Pickled (to
-    another process), it keeps only the class, and unpacking there uses that process's registration.
-    """
+    """A registered container in a packed skeleton, rebuilt by its own unflatten only when unpacked: while packing,
+    its children are slots, which a user's unflatten may not expect (it may read a child's shape). Its unflatten is
+    the one registered when it was packed, so a move sees one registration even if another thread unregisters the type
+    meanwhile; pickled (to another process), it keeps only the class, unpacked with that process's registration."""
 
     __slots__ = ("aux", "children", "cls", "unflatten")
 
@@ -194,36 +177,15 @@ def _dict_flatten(d: dict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
     return list(d.values()), (list(d),)
 
 
-def _dict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> dict[Any, Any]:
-    return dict(zip(aux[0], children))
-
-
-def _ordereddict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> collections.OrderedDict[Any, Any]:
-    return collections.OrderedDict(zip(aux[0], children))
-
-
-def _defaultdict_flatten(d: collections.defaultdict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
+def _defaultdict_flatten(d: defaultdict[Any, Any]) -> tuple[list[Any], tuple[Any, ...]]:
     return list(d.values()), (d.default_factory, list(d))
-
-
-def _defaultdict_unflatten(aux: tuple[Any, ...], children: list[Any]) -> collections.defaultdict[Any, Any]:
-    return collections.defaultdict(aux[0], zip(aux[1], children))
 
 
 def _seq_flatten(s: Any) -> tuple[list[Any], None]:
     return list(s), None
 
 
-def _deque_flatten(d: collections.deque[Any]) -> tuple[list[Any], int | None]:
-    return list(d), d.maxlen
-
-
-def _deque_unflatten(maxlen: int | None, children: list[Any]) -> collections.deque[Any]:
-    return collections.deque(children, maxlen=maxlen)
-
-
-def _set_entry(aux: Any, i: int) -> str:
-    # Sets have no keys; name the element by its place in iteration order.
+def _set_entry(aux: Any, i: int) -> str:  # a set's element, by its place in iteration order
     return f"{{{i}}}"
 
 
@@ -232,12 +194,14 @@ def _keys(aux: Any) -> Any:
 
 
 _BUILTIN: dict[type, Kind] = {
-    dict: Kind(NODE, _dict_flatten, _dict_unflatten, _key_entry, _keys),
-    collections.OrderedDict: Kind(NODE, _dict_flatten, _ordereddict_unflatten, _key_entry, _keys),
-    collections.defaultdict: Kind(NODE, _defaultdict_flatten, _defaultdict_unflatten, _key_entry, _keys),
+    dict: Kind(NODE, _dict_flatten, lambda aux, ch: dict(zip(aux[0], ch)), _key_entry, _keys),
+    OrderedDict: Kind(NODE, _dict_flatten, lambda aux, ch: OrderedDict(zip(aux[0], ch)), _key_entry, _keys),
+    defaultdict: Kind(
+        NODE, _defaultdict_flatten, lambda aux, ch: defaultdict(aux[0], zip(aux[1], ch)), _key_entry, _keys
+    ),
     list: Kind(NODE, _seq_flatten, lambda aux, ch: ch, _index_entry),
     tuple: Kind(NODE, _seq_flatten, lambda aux, ch: tuple(ch), _index_entry),
-    collections.deque: Kind(NODE, _deque_flatten, _deque_unflatten, _index_entry),
+    deque: Kind(NODE, lambda d: (list(d), d.maxlen), lambda maxlen, ch: deque(ch, maxlen=maxlen), _index_entry),
     set: Kind(NODE, _seq_flatten, lambda aux, ch: set(ch), _set_entry),
     frozenset: Kind(NODE, _seq_flatten, lambda aux, ch: frozenset(ch), _set_entry),
 }
@@ -245,16 +209,8 @@ _BUILTIN: dict[type, Kind] = {
 # ---------------------------------------------------------------- namedtuples and structseqs
 
 
-def _namedtuple_flatten(t: tuple[Any, ...]) -> tuple[list[Any], type]:
-    return list(t), type(t)
-
-
-def _namedtuple_unflatten(tp: Any, children: list[Any]) -> Any:
-    return tp._make(children)  # not tp(*children): a subclass may define __new__ with other arguments
-
-
-def _field_entry(aux: Any, i: int) -> str:
-    return f".{aux._fields[i]}"
+# tp._make(children), not tp(*children): a subclass may define __new__ with other arguments.
+_NAMEDTUPLE = Kind(NODE, lambda t: (list(t), type(t)), lambda tp, ch: tp._make(ch), lambda tp, i: f".{tp._fields[i]}")
 
 
 def _structseq_flatten(t: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
@@ -292,12 +248,8 @@ def _mapping_flatten(m: collections.abc.Mapping[Any, Any]) -> tuple[list[Any], t
 
 
 def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
-    """Any other mapping: built again from a dict of its moved items, as accelerate and torchtnt do.
-
-    One that holds nothing moved comes back as the very same object (``os.environ`` is a mapping
-    too). One whose constructor does not take a dict is refused: a copy with its items set could
-    share its storage with the input and change it.
-    """
+    """Any other mapping: ``cls(dict)`` of its moved items, as accelerate and torchtnt do; the very same object where
+    nothing in it moved (``os.environ``). No copy with its items set: it could share the input's storage."""
     src, keys, before = aux
     if all(map(operator.is_, children, before)):
         return src
@@ -310,7 +262,6 @@ def _mapping_unflatten(aux: tuple[Any, ...], children: list[Any]) -> Any:
 
 
 def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
-    """``tp(dict(zip(keys, children)))``, or a TypeError that says what to do."""
     try:
         return tp(dict(zip(keys, children)))
     except Exception as err:
@@ -322,11 +273,9 @@ def _mapping_from(tp: type, keys: list[Any], children: list[Any]) -> Any:
 
 
 def _mapping_deferred(aux: tuple[Any, ...], children: list[Any]) -> Any:
-    """A mapping in a packed skeleton: the very same object where nothing in it was taken, else deferred."""
+    """A mapping in a packed skeleton: deferred, or the very same object where nothing in it was taken (as move())."""
     src, keys, before = aux
-    if all(map(_unchanged, children, before)):  # nothing in it taken: as move() gives it back, the very same object
-        return src
-    return DeferredMapping(type(src), (None, keys), children)
+    return src if all(map(_unchanged, children, before)) else DeferredMapping(type(src), (None, keys), children)
 
 
 def _unchanged(new: Any, old: Any) -> bool:
@@ -334,9 +283,8 @@ def _unchanged(new: Any, old: Any) -> bool:
     if new is old:
         return True
     kind = kind_of(type(old))
-    if type(new) is not type(old) or kind.code != NODE:
+    if type(new) is not type(old) or kind.flatten is None:
         return False
-    assert kind.flatten is not None
     try:
         a, b = kind.flatten(new)[0], kind.flatten(old)[0]
     except Exception:
@@ -353,11 +301,10 @@ _MAPPING_PACKED = _MAPPING._replace(unflatten=_mapping_deferred)
 
 _lock = threading.Lock()
 _registry: dict[type, Kind] = {}  # the rule of each registered type
-# Each type's rule, by the type's id: a type is held weakly (``_refs``), and its entry goes when it dies,
-# so classes made per batch (a namedtuple defined in a function) die with their batch. ``_kinds`` holds the rules
-# that a rule claims (todevice.register() clears it); ``_late`` those of types registered with torch pytree or
-# optree, unknown types and plain mappings, which a later registration or removal there, or a ``.to()`` given to the
-# class, would change, each with what it was worked out under.
+# Each type's rule, by the type's id; the type held weakly (``_refs``), so its entry goes when it dies and classes
+# made per batch (a namedtuple defined in a function) die with their batch. ``_kinds`` holds ``_settled``'s rules
+# (todevice.register() clears it); ``_late`` the others (torch pytree's or optree's, unknown types, plain mappings),
+# which a registration or removal there, or a ``.to()`` given to the class, would change, with what they assumed.
 _kinds: dict[int, Kind] = {}
 _late: dict[int, tuple[Kind, tuple[Any, Any]]] = {}
 _refs: dict[int, weakref.ref[type]] = {}
@@ -406,7 +353,7 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
 
     .. versionadded:: 0.1.0
     """
-    _check_registration(cls, flatten, unflatten)
+    _check_registration(cls, flatten, unflatten)  # typed as objects: what a caller may pass
     if cls in _BUILTIN or cls is torch.Tensor:
         msg = (
             f"Cannot register {cls.__qualname__}: it is a built-in type that todevice already handles. "
@@ -421,7 +368,6 @@ def register(cls: type, flatten: Flatten, unflatten: Unflatten, /) -> None:
             )
             raise ValueError(msg)
         _registry[cls] = _registered(cls, flatten, _registered_unflatten(unflatten))
-        _generation[0] += 1
         _forget_all()
 
 
@@ -446,7 +392,6 @@ def unregister(cls: type, /) -> None:
             msg = f"Cannot unregister {name}: it is not registered with todevice."
             raise ValueError(msg)
         del _registry[cls]
-        _generation[0] += 1
         _forget_all()
 
 
@@ -480,13 +425,9 @@ def _deferred_keys(d: Deferred) -> list[Any]:  # a registered mapping's keys, as
 
 
 _DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry, _deferred_keys)
-
-
-def _deferred_mapping_unflatten(d: Deferred, children: list[Any]) -> Any:
-    return _mapping_from(d.cls, d.aux[1], children)
-
-
-_DEFERRED_MAPPING = Kind(NODE, _deferred_flatten, _deferred_mapping_unflatten, _deferred_entry, lambda d: d.aux[1])
+_DEFERRED_MAPPING = Kind(
+    NODE, _deferred_flatten, lambda d, ch: _mapping_from(d.cls, d.aux[1], ch), _deferred_entry, lambda d: d.aux[1]
+)
 
 
 def _has_to(tp: type) -> bool:
@@ -494,9 +435,8 @@ def _has_to(tp: type) -> bool:
 
 
 def _to_kind(tp: type) -> Kind:
-    """The rule of an object with its own ``.to()``: the keywords of move() that its ``.to()`` takes, by its signature
-    (all where it has none: a C method), and ``keys`` set where it is a mapping (a BatchEncoding), which is finished
-    as one after its ``.to()``."""
+    """The rule of an object with its own ``.to()``: the keywords of move() its ``.to()`` takes, by its signature (all
+    for a C method), and ``keys`` set for a mapping (a BatchEncoding), finished as one after its ``.to()``."""
     try:
         params = inspect.signature(tp.to).parameters.values()  # type: ignore[attr-defined]
         takes = frozenset(n for n in _TO_KEYWORDS if any(p.name == n or p.kind is p.VAR_KEYWORD for p in params))
@@ -541,10 +481,6 @@ def _pytree_kind(tp: type) -> Kind | None:
     return None
 
 
-def _classify(tp: type) -> Kind:
-    return _settled(tp) or _late_rule(tp)
-
-
 def _settled(tp: type) -> Kind | None:
     """The rule of ``tp`` where no registration but todevice's own can change it; else None."""
     if tp is Slot or tp is AliasSlot:
@@ -553,15 +489,13 @@ def _settled(tp: type) -> Kind | None:
         return _DEFERRED
     if tp is DeferredMapping:
         return _DEFERRED_MAPPING
-    reg = _registry.get(tp)
-    if reg is not None:
-        return reg
-    builtin = _BUILTIN.get(tp)
-    if builtin is not None:
-        return builtin
+    rule = _registry.get(tp) or _BUILTIN.get(tp)
+    if rule is not None:
+        return rule
     if issubclass(tp, torch.Tensor):
         return Kind(TENSOR)
-    if _is_atomic_type(tp):
+    numpy = sys.modules.get("numpy")  # numpy scalars count, without importing numpy ourselves
+    if tp in _ATOMIC_EXACT or issubclass(tp, _ATOMIC_BASES) or (numpy is not None and issubclass(tp, numpy.generic)):
         return Kind(ATOM)
     if issubclass(tp, torch.nn.Module):
         return Kind(MODULE)
@@ -570,7 +504,7 @@ def _settled(tp: type) -> Kind | None:
     if _has_to(tp):
         return _to_kind(tp)
     if issubclass(tp, tuple) and hasattr(tp, "_fields"):
-        return Kind(NODE, _namedtuple_flatten, _namedtuple_unflatten, _field_entry)
+        return _NAMEDTUPLE
     if issubclass(tp, tuple) and hasattr(tp, "n_sequence_fields"):  # torch.return_types, os.stat_result
         plain = getattr(tp, "n_fields", None) == tp.n_sequence_fields  # no field beyond its items
         return Kind(NODE, _structseq_flatten, _structseq_unflatten, _structseq_entry, form=STRUCTSEQ if plain else NODE)
@@ -589,17 +523,12 @@ def _late_rule(tp: type) -> Kind:
     foreign = _pytree_kind(tp)
     if foreign is not None:
         return foreign
-    if issubclass(tp, _WEAK):
-        return Kind(UNKNOWN)
-    if issubclass(tp, collections.abc.Mapping):
-        return _MAPPING
-    return Kind(UNKNOWN)
+    return _MAPPING if issubclass(tp, collections.abc.Mapping) and not issubclass(tp, _WEAK) else Kind(UNKNOWN)
 
 
 def kind_of(tp: type) -> Kind:
-    """The cached classification of ``tp``: from ``_kinds``, or from ``_late`` while what it was worked out under
-    holds (what torch pytree and optree hold for ``tp``, and that the class has no ``.to()`` yet), else worked out
-    now."""
+    """The cached rule of ``tp``: from ``_kinds``, or from ``_late`` while what it was worked out under holds (what
+    torch pytree and optree hold for ``tp``, and that the class has no ``.to()`` yet), else worked out now."""
     kind = _kinds.get(id(tp))
     if kind is not None:
         return kind
@@ -609,11 +538,8 @@ def kind_of(tp: type) -> Kind:
     if late is not None and late[1] == _foreign(tp) and not _has_to(tp):
         return late[0]
     _learn(tp)
-    kind = _kinds.get(id(tp))
-    if kind is not None:
-        return kind
-    late = _late.get(id(tp))
-    return _classify(tp) if late is None else late[0]  # None: a registration made meanwhile, not cached
+    late = _late.get(id(tp))  # in neither: a registration made meanwhile, not cached
+    return _kinds.get(id(tp)) or (_settled(tp) or _late_rule(tp) if late is None else late[0])
 
 
 # optree's registry: its global namespace's rule for a type is the entry under the type itself. A rule given, removed
@@ -642,14 +568,12 @@ def _foreign(tp: type) -> tuple[Any, Any]:
 def _learn(tp: type) -> int:
     """Classify ``tp`` and cache its rule. Under torch.compile dynamo calls this as plain Python (it is marked as
     giving a constant), so it never traces the lock, and reads the rule from the cache afterwards."""
-    # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which
-    # could call back into todevice. A registration made meanwhile makes the answer stale, so
-    # it is only cached when no registration happened since.
+    # Classified outside the lock: issubclass() and getattr() may run a metaclass's code, which could call back into
+    # todevice. Cached only where no registration happened meanwhile, which would make the answer stale.
     generation = _generation[0]
-    kind = _settled(tp)
-    under = None if kind is not None else _foreign(tp)
+    kind, under = _settled(tp), None
     if kind is None:
-        kind = _late_rule(tp)
+        under, kind = _foreign(tp), _late_rule(tp)
     with _lock:
         if _generation[0] == generation:
             if id(tp) not in _refs:
@@ -666,11 +590,8 @@ _learn._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _forget(key: int, ref: weakref.ref[type]) -> None:
-    """A classified type died: its rule goes with it (unless the cache was cleared and refilled since).
-
-    No lock: it runs wherever the collector frees the type, which may be inside ``kind_of``'s own lock.
-    Nothing else writes ``key`` meanwhile: no other type has this id until this one is freed.
-    """
+    """A classified type died: its rule goes with it (unless the cache was cleared and refilled since). No lock: it
+    runs wherever the collector frees the type, maybe inside ``_learn``'s lock; no other type has its id till then."""
     if _refs.get(key) is ref:
         _refs.pop(key, None)
         _kinds.pop(key, None)
@@ -678,6 +599,7 @@ def _forget(key: int, ref: weakref.ref[type]) -> None:
 
 
 def _forget_all() -> None:  # under the lock: a registration changed, so every rule is worked out again
+    _generation[0] += 1
     _refs.clear()
     _kinds.clear()
     _late.clear()

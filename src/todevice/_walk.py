@@ -1,15 +1,11 @@
-"""The walks over a structure: rebuilt leaf by leaf for move() and pack(), or listed by path.
-
-``make`` builds the walk that rebuilds a structure, from what happens to a tensor (``keep`` and
-``tensor``) and to any other leaf (``leaf``); the container rules come from ``_tree``. It recurses,
-and the same walk runs on an explicit stack (``walk_iteratively``) for nesting deeper than
-Python's recursion limit. ``paths`` lists every ``(path, node)`` of a structure
-by the same rules, for error messages, ``strict=True`` and the diagnostics.
-"""
+"""The walks over a structure, by ``_tree``'s container rules: rebuilt leaf by leaf for move() and pack() (``make``:
+recursive, and the same on an explicit stack for nesting deeper than Python's recursion limit), or listed by path
+(``paths``: for error messages, ``strict=True`` and the diagnostics)."""
 
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import copy
 import functools
 import operator
@@ -26,18 +22,13 @@ _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 
 
 class LeafError(Exception):
-    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path.
-
-    A failure inside an object that the walk hands to its own move (a packed batch) is carried up as
-    a failure of that object, with the path inside it in ``inner`` and the failing leaf in ``shown``.
-    """
+    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path. A failure inside an
+    object the walk hands to its own move (a packed batch) is one of that object: the path inside it in ``inner``, the
+    failing leaf in ``shown``."""
 
     def __init__(self, leaf: Any, err: BaseException, inner: str = "", shown: Any = None) -> None:
         super().__init__()
-        self.leaf = leaf
-        self.err = err
-        self.inner = inner
-        self.shown = leaf if shown is None else shown
+        self.leaf, self.err, self.inner, self.shown = leaf, err, inner, leaf if shown is None else shown
 
     def within(self, outer: Any, structure: Any, skip: frozenset[Any] = frozenset()) -> LeafError:
         """This failure, as one of ``outer``, whose ``structure`` holds the failing leaf."""
@@ -55,6 +46,10 @@ def guarded(node: Any, fn: Callable[..., Any], *args: Any) -> Any:
         raise LeafError(node, err) from err
 
 
+def _as_it_is(x: Any, s: Any) -> Any:
+    return x
+
+
 class Walk(NamedTuple):
     """A walk that rebuilds a structure, made by ``make``: ``walk(x, state)``, and the same on a stack."""
 
@@ -69,32 +64,24 @@ def make(
     kind_of: Callable[[type], _tree.Kind],
     slot: Callable[[Any, Any], Any] | None = None,
     skip: frozenset[Any] = frozenset(),
-    held: Callable[[Any, Any], Any] | None = None,
+    held: Callable[[Any, Any], Any] = _as_it_is,
 ) -> Walk:
-    """The walk that rebuilds a structure: every container anew, every leaf through these functions.
-
-    ``keep(t)`` says whether a tensor comes back as it is; it is called for every tensor, so it is a
-    C callable where it can be (``attrgetter("is_cpu")``). ``tensor(t, state)`` gives what replaces
-    the others. ``leaf(x, code, state)`` gives what replaces a leaf that is neither a tensor nor an
-    atom, by its ``_tree`` code. ``kind_of`` classifies types. ``slot(x, state)`` fills a packed
-    batch's slot, one per packed tensor, inline like a tensor (by default, ``leaf`` does). ``state`` is
-    one call's own, passed down as it is: the functions are made once and shared by every call.
-    A mapping's item whose key is in ``skip`` comes back as it is, whatever it holds, or as
-    ``held(item, state)`` gives it.
-    """
+    """The walk that rebuilds a structure: every container anew, every leaf through these functions. ``keep(t)``,
+    called for every tensor (so a C callable where it can be: ``attrgetter("is_cpu")``), says whether it comes back as
+    it is; ``tensor(t, state)`` gives what replaces the others, ``leaf(x, code, state)`` what replaces any other leaf
+    but an atom, by its ``_tree`` code, and ``slot(x, state)`` a packed batch's slot, inline like a tensor (by
+    default, ``leaf`` does). ``state`` is one call's own: the functions are made once and shared by every call. A
+    mapping's item under a key in ``skip`` comes back as ``held(item, state)`` gives it (as it is)."""
     # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
     if slot is None:
         slot = functools.partial(_slot_leaf, leaf)
-    if held is None:
-        held = _as_it_is
 
     def walk(x: Any, s: Any) -> Any:
         tp = type(x)
         if tp is tensor_type:
             return x if keep(x) else tensor(x, s)
-        # Containers handle their leaves inline: a call per leaf would cost as much as everything else
-        # done for a tensor that stays where it is.
+        # Containers handle their leaves inline: a call per leaf costs as much as all else done for a tensor kept.
         if tp is dict and not skip:
             return {
                 k: (
@@ -197,13 +184,10 @@ def make(
 
 
 class Seen:
-    """The one record of the tensors a walk has met, read by the memo walk, the careful take and staging.
-
-    Each tensor is kept under its address (``where``), so that one met again is found, and so is a distinct tensor
-    over the same memory read the same way (``tied``: tied weights), whose result may be a view of the first one's.
-    Meta and empty tensors, at address 0, share nothing: each has a key of its own. The tensors are held, so their
-    ids and addresses stay theirs while the record lives.
-    """
+    """The one record of the tensors a walk has met, read by the memo walk, the careful take and staging: each under
+    its address (``where``), so that one met again is found, and so is a distinct tensor over the same memory read the
+    same way (``tied``: tied weights), whose result may be a view of the first one's. The tensors are held, so their
+    ids and addresses stay theirs while the record lives."""
 
     __slots__ = ("at",)
 
@@ -238,12 +222,9 @@ def where(t: torch.Tensor) -> int:
 
 
 def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two plain tensors at one address read that memory the very same way, so one result serves both.
-
-    Same dtype, device, shape and strides (a dimension of size 1 may have any stride), and no lazy
-    conjugate or negative bit on one only. Tensors requiring grad never share: a shared result would
-    route one's gradient through the other.
-    """
+    """Whether two plain tensors at one address read that memory the very same way, so one result serves both: same
+    dtype, device, shape and strides (any stride for a dimension of size 1), conjugate and negative bits. Never tensors
+    requiring grad: a shared result would route one's gradient through the other."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.requires_grad or b.requires_grad:
         return False
     if a.dtype != b.dtype or a.device != b.device or a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
@@ -252,22 +233,15 @@ def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
     return shape == b.shape and all(n == 1 or x == y for n, x, y in zip(shape, a.stride(), b.stride()))
 
 
-def _as_it_is(x: Any, s: Any) -> Any:
-    return x
-
-
 def _slot_leaf(leaf: Callable[[Any, int, Any], Any], x: Any, s: Any) -> Any:
     return leaf(x, _SLOT, s)
 
 
 def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozenset[Any] = frozenset()) -> None:
-    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end.
-
-    The items under the keys in ``skip`` are not walked, so a cycle there is none of the walk's business.
-    """
+    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end (not under ``skip``'s
+    keys, whose items are not walked)."""
     try:
-        for _ in _nodes(x, False, skip, None, _linked, _joined):  # no path built on the way: linear in the depth
-            pass
+        collections.deque(_nodes(x, False, skip, None, _linked, _joined), maxlen=0)  # no path built: linear in depth
     except CycleError as cycle:
         raise ValueError(cycle_message(cycle, verb)) from err
     except Exception:  # a container that cannot list its items: the walk that follows reports it, with its path
@@ -287,18 +261,13 @@ class CycleError(Exception):
 
     def __init__(self, first: str, repeat: str, node: Any) -> None:
         super().__init__(repeat)
-        self.first = first
-        self.repeat = repeat
-        self.node = node
+        self.first, self.repeat, self.node = first, repeat, node
 
 
 def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """Every (path, object) pair below ``obj``, depth first, without recursion.
-
-    A container reached more than once is listed once, or at each place with ``revisit``; a
-    container that contains itself raises ``CycleError`` with the path of the repeat. A mapping's
-    items under the keys in ``skip`` are not listed.
-    """
+    """Every (path, object) pair below ``obj``, depth first, without recursion, but a mapping's items under ``skip``'s
+    keys. A container reached again is listed once, or at each place with ``revisit``; one that contains itself raises
+    ``CycleError`` with the path of the repeat."""
     return _nodes(obj, revisit, skip, "", operator.add, str)
 
 
@@ -326,15 +295,12 @@ def _nodes(
     extend: Callable[[Link, str], Link],
     name: Callable[[Link], str],
 ) -> Iterator[tuple[Link, Any]]:
-    """``paths``' walk, each node with its link: ``extend(link, entry)`` makes a child's, ``name(link)`` a path.
-
-    With path strings, every node's path is built as it is reached, which is as long as the nesting is deep; with
-    ``_linked`` links, a path is built only where one is named (a cycle, or the node looked for).
-    """
+    """``paths``' walk, each node with its link: ``extend(link, entry)`` makes a child's, ``name(link)`` a path. Path
+    strings are built as each node is reached (as long as the nesting is deep); ``_linked`` links only where a path is
+    named (a cycle, or the node looked for)."""
     stack: list[tuple[Link, Any, bool]] = [(root, obj, False)]
     on_path: dict[int, Link] = {}
-    # Finished containers, kept alive: a registered flatten may build its children afresh, and the
-    # id of a freed one could be reused by a container not walked yet.
+    # Finished containers, kept alive: a flatten may build its children afresh, and a freed one's id could be reused.
     done: dict[int, Any] = {}
     while stack:
         link, node, leaving = stack.pop()
@@ -368,14 +334,11 @@ def _nodes(
 
 def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
     """The first path at which ``target`` (by identity) sits inside ``obj``, outside the items skipped."""
-    try:
+    # Not found: a cycle, nesting too deep, or a container that cannot list what it holds (past the target if there).
+    with contextlib.suppress(Exception):
         for link, node in _nodes(obj, False, skip, None, _linked, _joined):
             if node is target:
                 return _joined(link)
-    except (CycleError, RecursionError):
-        pass
-    except Exception:  # a container that cannot list what it holds, past the target if it was there: not found
-        pass
     return None
 
 
@@ -402,11 +365,8 @@ def describe(leaf: Any) -> str:
 
 
 def raise_with_message(err: BaseException, msg: str) -> NoReturn:
-    """Raise the same kind of error with ``msg``, the original as its cause.
-
-    An exception type whose constructor wants other arguments is raised as it is, ``msg`` added as
-    a note where Python has notes.
-    """
+    """Raise the same kind of error with ``msg``, the original as its cause; one whose constructor wants other
+    arguments is raised as it is, ``msg`` added as a note where Python has notes."""
     try:
         new = type(err)(msg)
     except Exception:
@@ -446,9 +406,8 @@ def inside(obj: Any) -> Iterator[tuple[str, Any]]:
         yield from ((f".{name}", value) for name, value in getattr(obj, "__dict__", {}).items())
 
 
-# Types whose .to() is known to return a new object and leave the original alone; any other
-# .to() object is copied first, because several popular ones (tokenizer BatchEncoding, PyG Data)
-# move their contents in place and return self, which would mutate the input.
+# Types whose .to() is known to return a new object and leave the original alone; any other .to() object is copied
+# first: several popular ones (a tokenizer's BatchEncoding, PyG's Data) move their contents in place and return self.
 _PURE_TO: frozenset[type] = frozenset({torch.nn.utils.rnn.PackedSequence})
 _PLAIN_CONTAINERS = (dict, list)
 _JUST_TENSORS = frozenset({torch.Tensor})
@@ -456,13 +415,10 @@ _JUST_TENSORS = frozenset({torch.Tensor})
 
 def copy_for_to(obj: Any) -> Any:
     """What ``obj``'s own ``.to()`` is called on: a copy, so that a ``.to()`` that works in place leaves ``obj`` alone.
-
-    ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is then the class's
-    word), the plain dicts and lists its attributes hold, at any depth, are copied too: a ``.to()``
-    that writes ``self.data[k] = ...`` writes into the copy's dict. Any other object the attributes
-    hold (tensors included) is shared. One that cannot be copied (its ``copy.copy`` raises, or recurses without end
-    near the top of the stack) is returned as it is.
-    """
+    ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is its word), the plain dicts and
+    lists its attributes hold, at any depth, are copied too: a ``.to()`` that writes ``self.data[k] = ...`` writes into
+    the copy's. Anything else is shared. One that cannot be copied (``copy.copy`` raises, or recurses without end near
+    the top of the stack) is returned as it is."""
     tp = type(obj)
     if tp in _PURE_TO:
         return obj
@@ -517,10 +473,8 @@ def _state(obj: Any) -> Any:
 
 
 def _copy_plain_containers(state: dict[str, Any]) -> None:
-    """Replace, in place, every plain dict and list under ``state`` by a copy, at any depth, without recursion.
-
-    A container reached twice is copied once, so the copies share as the originals did.
-    """
+    """Replace, in place, every plain dict and list under ``state`` by a copy, at any depth, without recursion; one
+    reached twice is copied once, so the copies share as the originals did."""
     copies: dict[int, Any] = {}
     todo: list[Any] = [state]  # containers already copied (or ``state``), whose items are still the originals
     while todo:
@@ -543,19 +497,14 @@ def rest_of_mapping(
     dev: torch.device,
     dtype: torch.dtype | None,
 ) -> Any:
-    """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be.
-
-    Such a ``.to()`` moves only what has a ``.to()`` (a BatchEncoding's): an item that is a container
-    (a list of tensors) is moved by ``move_item``. Each tensor its ``.to()`` copied as move() copies
-    (to ``dev``, cast to ``dtype`` where move() casts) is given to ``once(source, copy)``, which answers
-    with the move's one copy of that source: the copy made of it elsewhere in the batch before, or this
-    one, kept for a later meeting; so a tensor held twice stays one. A tensor its ``.to()`` left as it is,
-    or copied otherwise, is its own choice, kept, and never stands for the source elsewhere. An item
-    under a key in ``skip`` is put back as ``obj`` holds it. Written through
-    ``out[key] = ...``, into the copy the ``.to()`` was called on or what it returned; an item that
-    ``out`` refuses stays as its ``.to()`` left it, and an ``out`` that is not a mutable mapping is left
-    as it is. Returns ``out``.
-    """
+    """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be; returns ``out``.
+    Such a ``.to()`` (a BatchEncoding's) moves only what has a ``.to()``: a container item is moved by ``move_item``.
+    Each tensor its ``.to()`` copied as move() would (to ``dev``, cast to ``dtype`` where move() casts) goes to
+    ``once(source, copy)``, which answers with the move's one copy of that source (one made elsewhere before, or this
+    one, kept): a tensor held twice stays one. A tensor its ``.to()`` left, or copied otherwise, is its own choice,
+    kept, never standing for the source elsewhere. An item under ``skip``'s keys is put back as ``obj`` holds it.
+    Written with ``out[key] = ...``: an item ``out`` refuses stays as its ``.to()`` left it; an ``out`` that is not a
+    mutable mapping is left as it is."""
     items = _items(out)
     if items is out and not isinstance(out, collections.abc.MutableMapping):
         return out
@@ -610,12 +559,9 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
     """``obj`` moved by its own ``.to()``, on a copy where it can be copied (``copy_for_to``); raises ``LeafError``.
-
-    With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as its fields, items and
-    attributes show), its ``.to()`` gets ``dtype=`` too, as ``nn.Module.to`` does; one whose ``.to()`` takes no
-    dtype raises a TypeError rather than leave them uncast. One that holds none is moved without it, so its
-    integer tensors keep their dtype whatever its ``.to()`` would do with one.
-    """
+    With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as ``inside`` shows), its ``.to()``
+    gets ``dtype=`` too, as ``nn.Module.to`` does (a TypeError where it takes none, rather than leave them uncast); one
+    that holds none is moved without it, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
     tp = type(obj)
     casts: dict[str, torch.dtype] = {}
     if dtype is not None and _holds_floating(obj):
@@ -627,15 +573,13 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
             raise LeafError(obj, TypeError(msg))
         casts["dtype"] = dtype
     target = copy_for_to(obj)
+    takes = {"non_blocking": non_blocking} if _tree.to_takes(tp, "non_blocking") else {}
     try:
-        if _tree.to_takes(tp, "non_blocking"):
-            try:
-                out = target.to(dev, non_blocking=non_blocking, **casts)
-            except TypeError as err:
-                if "non_blocking" not in str(err):
-                    raise
-                out = target.to(dev, **casts)
-        else:
+        try:
+            out = target.to(dev, **takes, **casts)
+        except TypeError as err:
+            if not takes or "non_blocking" not in str(err):
+                raise
             out = target.to(dev, **casts)
     except RecursionError:
         raise
@@ -647,33 +591,25 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
 def _holds_floating(obj: Any) -> bool:
     """Whether an object with ``.to()`` holds a floating-point or complex tensor, as far as ``inside`` shows."""
     try:
-        for _, node in paths([value for _, value in inside(obj)]):
-            if isinstance(node, torch.Tensor) and casts(node):
-                return True
+        return any(isinstance(node, torch.Tensor) and casts(node) for _, node in paths([v for _, v in inside(obj)]))
     except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide
         return True
-    return False
 
 
 def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
-    """The accelerators whose memory an object with ``.to()`` holds, as far as its fields, items and
-    attributes show, a few levels deep.
-
-    Where none is seen, every device the process has a context on: never every device, since
-    synchronizing one creates a CUDA context there (about 0.5 GiB).
-    """
+    """The accelerators whose memory an object with ``.to()`` holds, as far as ``inside`` shows, a few levels deep.
+    Where none is seen, every device the process has a context on: never every device, since synchronizing one
+    creates a CUDA context there (about 0.5 GiB)."""
     found: set[torch.device] = set()
 
     def look(x: Any, depth: int) -> None:
-        try:
+        with contextlib.suppress(CycleError):
             for _, node in paths([value for _, value in inside(x)]):
                 if isinstance(node, torch.Tensor):
                     if not (node.is_cpu or node.is_meta):
                         found.add(node.device)
                 elif depth and _tree.kind_of(type(node)).code in (_tree.UNKNOWN, _tree.TO):
                     look(node, depth - 1)
-        except CycleError:
-            pass
 
     look(obj, depth)
     return found or set(_stream.devices_in_use())
