@@ -277,15 +277,14 @@ def _registered_entry(aux: Any, i: int) -> str:
     return str(entry) if isinstance(entry, _TORCH_KEYS) else f"[{entry!r}]"
 
 
-def _registered_keys(aux: Any) -> Any:
-    return aux[2]
+def _keys(aux: Any) -> Any:  # a dict's or a registered mapping's aux ends with its keys
+    return aux[-1]
 
 
 def _registered(tp: type, flatten: Flatten, unflatten: Unflatten) -> Kind:
     """The rule of a type registered here, with torch pytree or with optree; a mapping's children have keys."""
     mapping = issubclass(tp, collections.abc.Mapping)
-    keys = _registered_keys if mapping else None
-    return Kind(NODE, _registered_flatten(flatten, mapping), unflatten, _registered_entry, keys)
+    return Kind(NODE, _registered_flatten(flatten, mapping), unflatten, _registered_entry, _keys if mapping else None)
 
 
 def _flatten_with_keys(flatten: Any, with_keys: Any, obj: Any) -> tuple[list[Any], Any, list[Any] | None]:

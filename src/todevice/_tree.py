@@ -16,6 +16,7 @@ import inspect
 import operator
 import sys
 import threading
+import types
 import weakref
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from todevice._objects import (  # re-exported: the kinds are _tree's words to e
     Unflatten as Unflatten,
     _container_base as _container_base,
     _flatten_with_keys as _flatten_with_keys,
+    _keys as _keys,
     _object_kind as _object_kind,
     _registered as _registered,
     _registered_entry as _registered_entry,
@@ -187,10 +189,6 @@ def _seq_flatten(s: Any) -> tuple[list[Any], None]:
 
 def _set_entry(aux: Any, i: int) -> str:  # a set's element, by its place in iteration order
     return f"{{{i}}}"
-
-
-def _keys(aux: Any) -> Any:
-    return aux[-1]
 
 
 _BUILTIN: dict[type, Kind] = {
@@ -428,6 +426,9 @@ _DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry, 
 _DEFERRED_MAPPING = Kind(
     NODE, _deferred_flatten, lambda d, ch: _mapping_from(d.cls, d.aux[1], ch), _deferred_entry, lambda d: d.aux[1]
 )
+_OWN = types.MappingProxyType(
+    {Slot: Kind(SLOT), AliasSlot: Kind(SLOT), Deferred: _DEFERRED, DeferredMapping: _DEFERRED_MAPPING}
+)
 
 
 def _has_to(tp: type) -> bool:
@@ -483,13 +484,7 @@ def _pytree_kind(tp: type) -> Kind | None:
 
 def _settled(tp: type) -> Kind | None:
     """The rule of ``tp`` where no registration but todevice's own can change it; else None."""
-    if tp is Slot or tp is AliasSlot:
-        return Kind(SLOT)
-    if tp is Deferred:
-        return _DEFERRED
-    if tp is DeferredMapping:
-        return _DEFERRED_MAPPING
-    rule = _registry.get(tp) or _BUILTIN.get(tp)
+    rule = _OWN.get(tp) or _registry.get(tp) or _BUILTIN.get(tp)
     if rule is not None:
         return rule
     if issubclass(tp, torch.Tensor):
@@ -593,16 +588,14 @@ def _forget(key: int, ref: weakref.ref[type]) -> None:
     """A classified type died: its rule goes with it (unless the cache was cleared and refilled since). No lock: it
     runs wherever the collector frees the type, maybe inside ``_learn``'s lock; no other type has its id till then."""
     if _refs.get(key) is ref:
-        _refs.pop(key, None)
-        _kinds.pop(key, None)
-        _late.pop(key, None)
+        for cache in (_refs, _kinds, _late):
+            cache.pop(key, None)
 
 
 def _forget_all() -> None:  # under the lock: a registration changed, so every rule is worked out again
     _generation[0] += 1
-    _refs.clear()
-    _kinds.clear()
-    _late.clear()
+    for cache in (_refs, _kinds, _late):
+        cache.clear()
 
 
 def kind_for_packing(tp: type) -> Kind:
