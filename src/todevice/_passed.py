@@ -69,7 +69,7 @@ def warn_left_behind(found: list[tuple[Any, tuple[str, str]]], original: Any, sk
 def _every_node(obj: Any, skip: frozenset[Any], root: Any) -> Iterator[tuple[Any, Any]]:
     """Each (link, node) of ``obj`` at every place, a packed batch's skeleton looked into (what moves itself and holds
     one), ``root`` the link of ``obj`` itself."""
-    for link, node in _walk._nodes(obj, True, skip, root, _walk._linked, _walk._joined):
+    for link, node in _walk._nodes(obj, True, skip, root):
         yield link, node
         skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.PACKED else None
         if skeleton is not None:

@@ -8,7 +8,6 @@ import collections.abc
 import contextlib
 import copy
 import functools
-import operator
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
@@ -241,7 +240,7 @@ def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozens
     """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end (not under ``skip``'s
     keys, whose items are not walked)."""
     try:
-        collections.deque(_nodes(x, False, skip, None, _linked, _joined), maxlen=0)  # no path built: linear in depth
+        collections.deque(_nodes(x, False, skip), maxlen=0)  # no path built: linear in depth
     except CycleError as cycle:
         raise ValueError(cycle_message(cycle, verb)) from err
     except Exception:  # a container that cannot list its items: the walk that follows reports it, with its path
@@ -268,18 +267,14 @@ def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()
     """Every (path, object) pair below ``obj``, depth first, without recursion, but a mapping's items under ``skip``'s
     keys. A container reached again is listed once, or at each place with ``revisit``; one that contains itself raises
     ``CycleError`` with the path of the repeat."""
-    return _nodes(obj, revisit, skip, "", operator.add, str)
+    return _nodes(obj, revisit, skip, "")
 
 
 Link = Any  # where a node sits: a path string, or (parent link, entry) to be joined only when one is wanted
 
 
-def _linked(link: Link, entry: str) -> Link:
-    return (link, entry)
-
-
 def _joined(link: Link) -> str:
-    """The path a chain of ``_linked`` links names."""
+    """The path a chain of (parent link, entry) links names."""
     parts = []
     while link is not None:
         link, entry = link
@@ -287,17 +282,12 @@ def _joined(link: Link) -> str:
     return "".join(reversed(parts))
 
 
-def _nodes(
-    obj: Any,
-    revisit: bool,
-    skip: frozenset[Any],
-    root: Link,
-    extend: Callable[[Link, str], Link],
-    name: Callable[[Link], str],
-) -> Iterator[tuple[Link, Any]]:
-    """``paths``' walk, each node with its link: ``extend(link, entry)`` makes a child's, ``name(link)`` a path. Path
-    strings are built as each node is reached (as long as the nesting is deep); ``_linked`` links only where a path is
-    named (a cycle, or the node looked for)."""
+def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> Iterator[tuple[Link, Any]]:
+    """``paths``' walk, each node with its link. From a string ``root``, path strings, built as each node is reached
+    (as long as the nesting is deep); else (parent link, entry) links, joined only where a path is named (a cycle, or
+    the node looked for)."""
+    text = isinstance(root, str)
+    name: Callable[[Link], str] = str if text else _joined
     stack: list[tuple[Link, Any, bool]] = [(root, obj, False)]
     on_path: dict[int, Link] = {}
     # Finished containers, kept alive: a flatten may build its children afresh, and a freed one's id could be reused.
@@ -329,14 +319,15 @@ def _nodes(
         keys = kind.keys(aux) if skip and kind.keys is not None else None
         for j in range(len(children) - 1, -1, -1):
             if keys is None or keys[j] not in skip:
-                stack.append((extend(link, kind.entry(aux, j)), children[j], False))
+                entry = kind.entry(aux, j)
+                stack.append((link + entry if text else (link, entry), children[j], False))
 
 
 def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
     """The first path at which ``target`` (by identity) sits inside ``obj``, outside the items skipped."""
     # Not found: a cycle, nesting too deep, or a container that cannot list what it holds (past the target if there).
     with contextlib.suppress(Exception):
-        for link, node in _nodes(obj, False, skip, None, _linked, _joined):
+        for link, node in _nodes(obj, False, skip):
             if node is target:
                 return _joined(link)
     return None
