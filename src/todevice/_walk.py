@@ -143,21 +143,20 @@ def make(
 
     def walk_iteratively(obj: Any, s: Any) -> Any:
         """The same walk with an explicit stack, for structures nested deeper than Python recursion."""
-        result: list[Any] = []
         # Frames: [node, kind, children, aux, next child index, results so far, keys of children to skip].
         stack: list[list[Any]] = []
 
-        def enter(x: Any) -> None:
-            """Push a frame for a container; a leaf goes straight into ``result``."""
+        def enter(x: Any) -> Any:
+            """Push a frame for a container and give ``_PUSHED``; a leaf comes back moved."""
             kind = kind_of(type(x))
             if kind.code != _NODE:
-                result.append(walk(x, s))  # a leaf: the walk does not recurse
-                return
+                return walk(x, s)  # a leaf: the walk does not recurse
             children, aux = guarded(x, kind.flatten, x)  # type: ignore[arg-type]
             keys = kind.keys(aux) if skip and kind.keys is not None else None
             stack.append([x, kind, children, aux, 0, [], keys])
+            return _PUSHED
 
-        enter(obj)
+        out = enter(obj)
         while stack:
             frame = stack[-1]
             x, kind, children, aux, k, done, keys = frame
@@ -165,21 +164,19 @@ def make(
                 frame[4] = k + 1
                 if keys is not None and keys[k] in skip:
                     done.append(held(children[k], s))
-                    continue
-                depth = len(stack)
-                enter(children[k])
-                if len(stack) == depth:  # a leaf was moved, not a frame pushed
-                    done.append(result.pop())
+                elif (moved := enter(children[k])) is not _PUSHED:
+                    done.append(moved)
                 continue
             stack.pop()
             out = guarded(x, kind.unflatten, aux, done)
             if stack:
                 stack[-1][5].append(out)
-            else:
-                result.append(out)
-        return result[0]
+        return out
 
     return Walk(walk, walk_iteratively)
+
+
+_PUSHED: Any = object()  # walk_iteratively's enter(): a frame was pushed, no leaf moved
 
 
 class Seen:
