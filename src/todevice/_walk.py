@@ -29,9 +29,9 @@ class LeafError(Exception):
         super().__init__()
         self.leaf, self.err, self.inner, self.shown = leaf, err, inner, leaf if shown is None else shown
 
-    def within(self, outer: Any, structure: Any, skip: frozenset[Any] = frozenset()) -> LeafError:
-        """This failure, as one of ``outer``, whose ``structure`` holds the failing leaf."""
-        inner = (find_path(structure, self.leaf, skip) or "") + self.inner
+    def within(self, outer: Any, structure: Any, skip: frozenset[Any] = frozenset(), at: str = "") -> LeafError:
+        """This failure, as one of ``outer``, whose ``structure`` (at the path ``at`` in it) holds the failing leaf."""
+        inner = at + (find_path(structure, self.leaf, skip) or "") + self.inner
         return LeafError(outer, self.err, inner, self.shown)
 
 
@@ -515,9 +515,7 @@ def rest_of_mapping(
                 try:
                     new = move_item(value)
                 except LeafError as failure:
-                    inner = failure.within(obj, value)
-                    inner.inner = f"[{key!r}]" + inner.inner
-                    raise inner from failure.err
+                    raise failure.within(obj, value, at=f"[{key!r}]") from failure.err
                 if new is not value:
                     changes.append((key, new))
     for key, value in changes:
