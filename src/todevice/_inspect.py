@@ -321,27 +321,20 @@ class _Hook:
         want = own.device
         if not kwargs and not self.ignore:
             for t in args:  # the common case, tensors as positional arguments: no walk at all
-                if type(t) is not _Tensor:
+                if type(t) is not _Tensor or (t.device != want and not (t.is_cpu and t.dim() == 0)):
                     break
-                if t.device != want and not (t.is_cpu and t.dim() == 0):
-                    self._fail(want, args, kwargs)
             else:
                 return
-        if self._wrong(want, args, kwargs):
-            self._fail(want, args, kwargs)
-
-    def _wrong(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-        """The inputs off ``want``, but ignored ones and 0-dim CPU tensors (PyTorch accepts those)."""
-        return [
-            (path, t.device)
+        wrong = [  # the inputs off ``want``, but ignored ones and 0-dim CPU tensors (PyTorch accepts those)
+            f"{path} is on {t.device}"
             for path, t in _inputs(args, kwargs)
             if t.device != want
             and not (t.is_cpu and t.dim() == 0)
             and not any(path == skip or path.startswith((skip + "[", skip + ".")) for skip in self.ignore)
         ]
-
-    def _fail(self, want: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        where = _listing([f"{path} is on {dev}" for path, dev in self._wrong(want, args, kwargs)])
+        if not wrong:
+            return
+        where = _listing(wrong)
         name = f"Module {self.name}" if self.name else "The top module"
         msg = (
             f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "

@@ -99,10 +99,7 @@ def refuse_unknown(obj: Any, skip: frozenset[Any]) -> None:
         raise ValueError(_walk.cycle_message(cycle)) from None
     if not found:
         return
-    shown = found[:20]
-    if len(found) > len(shown):
-        shown.append(f"  ... and {len(found) - len(shown)} more")
-    listing = "\n".join(shown)
+    listing = "\n".join(found[:20] + ([f"  ... and {len(found) - 20} more"] if len(found) > 20 else []))
     msg = (
         f"Cannot move {len(found)} object(s) with strict=True: they are not tensors, containers, objects "
         f"with .to() or atomic values:\n{listing}\n"
