@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 
 from todevice import _layout, _options, _passed, _step, _tree, _walk
+from todevice._layout import data_ptr, device_of, dtype_of, is_cpu, layout_of, nbytes_of, pick, requires_grad, shape_of
 
 _Tensor = torch.Tensor
 
@@ -87,7 +88,7 @@ def copy(
         return  # the common step, in few reads
     read = _check_pairs(sources, targets, out, dev, dtype)
     spans = apart(targets, out)
-    if spans and not (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
+    if spans and not (all(read.on_host) and not any(map(is_cpu, targets))):  # host to device: nothing shared
         # Each source over a target is copied first, as if every source were read before anything is written (a
         # swap, a rolling buffer).
         starts = [start for start, _, _ in spans]
@@ -127,7 +128,7 @@ def _spans(tensors: list[torch.Tensor], once: bool = True) -> list[tuple[int, in
     tensors have none."""
     seen: set[int] = set()
     found = []
-    for i, (t, ptr) in enumerate(zip(tensors, map(_data_ptr, tensors))):
+    for i, (t, ptr) in enumerate(zip(tensors, map(data_ptr, tensors))):
         if ptr and not (once and id(t) in seen) and (n := _extent(t)):
             seen.add(id(t))
             found.append((ptr, ptr + n, i))
@@ -285,12 +286,6 @@ def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tu
 # ---------------------------------------------------------------- checking every pair, then copying
 
 
-_shape, _dtype, _device = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
-_is_cpu, _grad = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
-_pick = _layout.pick
-_nbytes, _data_ptr, _layout_of = operator.attrgetter("nbytes"), _Tensor.data_ptr, operator.attrgetter("layout")
-
-
 class _Read(NamedTuple):
     """What the check read of every pair, each in one C loop, for the copies to use again."""
 
@@ -308,19 +303,19 @@ def _check_pairs(
     read: _Read | None = None
     try:
         read = _read(sources, targets)
-        same_shapes = read.shapes == list(map(_shape, sources))
+        same_shapes = read.shapes == list(map(shape_of, sources))
     except RuntimeError:  # a strided nested tensor has no shape: no dense tensor to copy
         same_shapes = False
     if (
         read is not None
         and dtype is None
         and same_shapes
-        and read.dtypes == list(map(_dtype, sources))
-        and set(map(_layout_of, sources)) == {torch.strided}  # a sparse or jagged source: no dense tensor either
+        and read.dtypes == list(map(dtype_of, sources))
+        and set(map(layout_of, sources)) == {torch.strided}  # a sparse or jagged source: no dense tensor either
         and not _tree.transforming()  # nor, inside torch.func.vmap or grad, a wrapper with no memory of its own
-        and (dev is None or set(map(_device, targets)) == {dev})
+        and (dev is None or set(map(device_of, targets)) == {dev})
         and (all(read.on_host) or not any(t.is_meta for t in sources))
-        and not (torch.is_grad_enabled() and any(map(_grad, sources)))
+        and not (torch.is_grad_enabled() and any(map(requires_grad, sources)))
         and len(set(map(id, targets))) == len(targets)
         and _writable(targets)
     ):
@@ -353,14 +348,17 @@ def _check_pairs(
 
 def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
     return _Read(
-        list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources)), list(map(_nbytes, sources))
+        list(map(shape_of, targets)),
+        list(map(dtype_of, targets)),
+        list(map(is_cpu, sources)),
+        list(map(nbytes_of, sources)),
     )
 
 
 def _writable(targets: list[torch.Tensor]) -> bool:
     """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
     return (
-        set(map(_layout_of, targets)) == {torch.strided}
+        set(map(layout_of, targets)) == {torch.strided}
         and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
         and (all(map(_Tensor.is_contiguous, targets)) or not any(map(_overlaps_itself, targets)))
     )
@@ -407,7 +405,7 @@ def _write_pairs(
     lay = None
     every = len(small) == len(sources)
     if small:
-        dtypes, shapes = (read.dtypes, read.shapes) if every else (_pick(read.dtypes, small), _pick(read.shapes, small))
+        dtypes, shapes = (read.dtypes, read.shapes) if every else (pick(read.dtypes, small), pick(read.shapes, small))
         try:
             lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
         except TypeError:  # a dtype a byte buffer does not hold: each alone
@@ -421,14 +419,14 @@ def _write_pairs(
                 except Exception as err:
                     where = f"{_path(out, dst)} ({_walk.describe(src)})"
                     _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
-        sources, targets = _pick(sources, small), _pick(targets, small)
+        sources, targets = pick(sources, small), pick(targets, small)
     if lay is None:
         return
     span = _step._one_span(targets, lay, coalesce)
     if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
         for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
             dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
-    elif span is None and all(map(_is_cpu, targets)):
+    elif span is None and all(map(is_cpu, targets)):
         torch._foreach_copy_(targets, sources)
     elif span is not None and targets[0].is_cpu:
         _layout.write(span, lay, sources)  # each target's bytes only

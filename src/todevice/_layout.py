@@ -331,10 +331,10 @@ def parts(
 
 def layout_for(tensors: Sequence[torch.Tensor], cast: torch.dtype | None) -> Layout:
     """The layout of these tensors, in this order."""
-    dtypes = tuple(map(_dtype_of, tensors))
+    dtypes = tuple(map(dtype_of, tensors))
     if not any(map(_Tensor.dim, tensors)):  # 0-dim tensors (a step's metrics): one shape, never read per tensor
         return layout(dtypes, (_SCALAR,) * len(tensors), cast)
-    return layout(dtypes, tuple(map(_shape_of, tensors)), cast)
+    return layout(dtypes, tuple(map(shape_of, tensors)), cast)
 
 
 class Sending(NamedTuple):
@@ -466,9 +466,9 @@ def distinct(sources: list[torch.Tensor]) -> bool:
         if len(sources) == 2:  # a common small batch: no set to build
             if sources[0].data_ptr() != sources[1].data_ptr():
                 return True
-        elif len(set(map(_data_ptr, sources))) == len(sources):
+        elif len(set(map(data_ptr, sources))) == len(sources):
             return True
-        ptrs = list(map(_data_ptr, sources))
+        ptrs = list(map(data_ptr, sources))
     except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
         return False
     # Meta and empty tensors all sit at address 0 and share nothing: they are told apart by identity.
@@ -480,12 +480,15 @@ def distinct(sources: list[torch.Tensor]) -> bool:
 # Slots made once: a skeleton holds one per tensor taken, and Slot(i) is always the same value.
 _SLOTS = tuple(map(_tree.Slot, range(4096)))
 NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  # a "keep" that says no, in C
-_data_ptr = _Tensor.data_ptr
-_dtype_of = operator.attrgetter("dtype")
-_shape_of = operator.attrgetter("shape")
 _SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
-device_of = operator.attrgetter("device")
-requires_grad = operator.attrgetter("requires_grad")
+# Tensor attributes, each read for many tensors in one C loop with map() (here, and by _into and _step).
+data_ptr, is_cpu, requires_grad = _Tensor.data_ptr, operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
+dtype_of, shape_of, device_of = (
+    operator.attrgetter("dtype"),
+    operator.attrgetter("shape"),
+    operator.attrgetter("device"),
+)
+nbytes_of, layout_of = operator.attrgetter("nbytes"), operator.attrgetter("layout")
 
 
 class _Taking:
@@ -574,7 +577,7 @@ class Takes(NamedTuple):
 def takes(skip: frozenset[Any], devices: bool) -> Takes:
     """The takes that leave the items under the keys in ``skip`` as they are: of host tensors, or with ``devices``
     of tensors off the host, where host tensors stay where they are at the cost of a C call each."""
-    keep = operator.attrgetter("is_cpu") if devices else NEVER
+    keep = is_cpu if devices else NEVER
     return Takes(
         _walk.make(keep, _take, _as_it_is, _tree.kind_for_packing, skip=skip),
         _walk.make(keep, _take_carefully, _as_it_is, _tree.kind_for_packing, skip=skip),
@@ -607,7 +610,7 @@ def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None
         # A repeated address means a tensor met twice or memory shared, which the memo walk
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
-        if len(set(map(_data_ptr, tensors))) == len(tensors):
+        if len(set(map(data_ptr, tensors))) == len(tensors):
             return Taken(skeleton, tensors, layout_for(tensors, cast), taking.loose, taking.alone)
     except (RuntimeError, TypeError):
         pass
