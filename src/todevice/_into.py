@@ -207,8 +207,7 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
     if code == _tree.TENSOR:
         if not isinstance(b, torch.Tensor):
             raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has a {_walk.describe(a)}.")
-        found.append(a)
-        found.append(b)
+        found += (a, b)
     elif code == _tree.NODE:
         _pair_children(a, b, found, skip)
     elif code in (_tree.TO, _tree.PACKED):
@@ -263,8 +262,7 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
         paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
     for i, v, w in paired:
         if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
-            found.append(v)
-            found.append(w)
+            found += (v, w)
             continue
         try:
             _pair(v, w, found, skip)

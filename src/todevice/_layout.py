@@ -151,10 +151,7 @@ def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torc
 @functools.lru_cache(maxsize=1024)
 def _block_strides(shape: torch.Size, padded: int) -> tuple[int, ...]:
     """Strides of a block: ``padded`` elements from one tensor to the next, each tensor contiguous."""
-    inner = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        inner[d] = inner[d + 1] * shape[d + 1]
-    return (padded, *inner)
+    return (padded, *(shape[d + 1 :].numel() for d in range(len(shape))))
 
 
 def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> _Regions:
@@ -513,19 +510,14 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
         s.loose.append(t)
         return t
     max_bytes = s.max_bytes
-    if max_bytes is not None:
-        try:
-            big = t.nbytes > max_bytes
-        except RuntimeError:  # sparse tensors have no nbytes
-            big = True
-        if big:
-            s.loose.append(t)
-            s.alone.append(t)
-            return t  # a large tensor keeps its own memory
-    if t.requires_grad and not s.grad:
+    try:
+        big = max_bytes is not None and t.nbytes > max_bytes
+    except RuntimeError:  # sparse tensors have no nbytes
+        big = True
+    if big or (t.requires_grad and not s.grad):  # move() coalesces tensors that need no autograd only
         s.loose.append(t)
         s.alone.append(t)
-        return t  # move() coalesces tensors that need no autograd only
+        return t  # a large tensor keeps its own memory
     tensors = s.tensors
     tensors.append(t)
     try:
@@ -605,13 +597,12 @@ def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None
     optimistic, careful, devices = walks
     taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
-    tensors = taking.tensors
     try:
         # A repeated address means a tensor met twice or memory shared, which the memo walk
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
-        if len(set(map(data_ptr, tensors))) == len(tensors):
-            return Taken(skeleton, tensors, layout_for(tensors, cast), taking.loose, taking.alone)
+        if len(set(map(data_ptr, taking.tensors))) == len(taking.tensors):
+            return Taken(skeleton, taking.tensors, layout_for(taking.tensors, cast), taking.loose, taking.alone)
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad, devices)
