@@ -53,8 +53,7 @@ def into(
         raise TypeError(msg)
     if strict:
         _passed.refuse_unknown(batch, skip)
-    sources, targets = paired(batch, out, skip)
-    copy(sources, targets, out, dev, non_blocking, dtype, coalesce, max_bytes)
+    copy(*paired(batch, out, skip), out, dev, non_blocking, dtype, coalesce, max_bytes)
     return out
 
 

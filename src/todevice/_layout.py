@@ -528,11 +528,10 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
 
 def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
     """The take for a structure that repeats tensors, ties memory, or holds exotic tensors."""
-    max_bytes = s.max_bytes
     if (
         not _tree.dense(t)  # sparse, mkldnn, nested and functorch-wrapped tensors travel as they are
         or t.is_cpu is s.devices
-        or (max_bytes is not None and t.nbytes > max_bytes)
+        or (s.max_bytes is not None and t.nbytes > s.max_bytes)
         or (t.requires_grad and not s.grad)
     ):
         s.loose.append(t)
