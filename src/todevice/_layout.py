@@ -364,11 +364,6 @@ def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce
 STAGE_CHUNK_BYTES = 8 * 1024 * 1024
 
 
-def pieces(n: int, itemsize: int) -> range:
-    """Where each piece of a staged tensor of ``n`` elements of ``itemsize`` bytes starts, in elements."""
-    return range(0, n, max(1, STAGE_CHUNK_BYTES // itemsize))
-
-
 def staging(nbytes: int, dev: torch.device, pinned: bool = True) -> tuple[torch.Tensor, bool]:
     """The one staging buffer, move()'s and out='s: ``nbytes`` of host memory for ``dev``, and whether it is page-locked
     (for an accelerator, if ``pinned`` and it is had), else pageable (host, meta, none left), whose copy blocks."""
@@ -408,7 +403,7 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if src.is_neg() or src.is_conj():  # a lazy negation: copy_ into another dtype drops it (torch 2.13, float16)
             src = src.resolve_neg().resolve_conj()
         target = out.as_strided((n,), (1,), out.storage_offset())  # out is dense: one span of n
-        starts = pieces(n, sent.itemsize)
+        starts = range(0, n, max(1, STAGE_CHUNK_BYTES // sent.itemsize))  # where each piece starts, in elements
         if len(starts) > 1 and src.stride() == out.stride():  # dense too, then (channels-last images, say)
             # Both in memory order: the same elements, in the same order, as one span of n each.
             source, step = src.as_strided((n,), (1,), src.storage_offset()), starts.step
