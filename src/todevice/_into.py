@@ -98,7 +98,48 @@ def copy(
             if k >= 0 and reach[k] > start:
                 sources[i] = sources[i].clone()
     with torch.no_grad():
-        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
+        # The copies, on the current stream: large or device tensors each alone; the small host tensors together, in
+        # one copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``,
+        # else in one C++ loop into host memory, or from one staging buffer (page-locked for an accelerator) with a
+        # copy each.
+        small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
+        lay = None
+        every = len(small) == len(sources)
+        if small:
+            shapes, dtypes = read[:2] if every else (pick(read.shapes, small), pick(read.dtypes, small))
+            try:
+                lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
+            except TypeError:  # a dtype a byte buffer does not hold: each alone
+                small, every = [], False
+        if not every:
+            together = set(small)
+            for i, (src, dst) in enumerate(zip(sources, targets)):
+                if i not in together:
+                    try:
+                        _alone(src, dst, non_blocking)
+                    except Exception as err:
+                        where = f"{_path(out, dst)} ({_walk.describe(src)})"
+                        _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
+            sources, targets = pick(sources, small), pick(targets, small)
+        if lay is None:
+            return
+        span = _step._one_span(targets, lay, coalesce is not False)
+        if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
+            for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
+                dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
+        elif span is None and all(map(is_cpu, targets)):
+            torch._foreach_copy_(targets, sources)
+        elif span is not None and targets[0].is_cpu:
+            _layout.write(span, lay, sources)  # each target's bytes only
+            _step.written(targets)
+        else:
+            staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
+            _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
+            if span is None:
+                torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
+            else:
+                _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
+                _step.written(targets)
 
 
 def _path(out: Any, t: torch.Tensor) -> str:
@@ -384,58 +425,6 @@ def check_targets(targets: list[torch.Tensor], out: Any) -> None:
         if (why := _target_fault(dst)) is not None:
             _refuse(out, dst, why)
     apart(targets, out)
-
-
-def _write_pairs(
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    read: _Read,
-    out: Any,
-    non_blocking: bool,
-    coalesce: bool,
-    max_bytes: int,
-) -> None:
-    """The copies, on the current stream: large or device tensors each alone; the small host tensors together, in one
-    copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``, else in
-    one C++ loop into host memory, or from one staging buffer (page-locked for an accelerator) with a copy each."""
-    small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
-    lay = None
-    every = len(small) == len(sources)
-    if small:
-        dtypes, shapes = (read.dtypes, read.shapes) if every else (pick(read.dtypes, small), pick(read.shapes, small))
-        try:
-            lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
-        except TypeError:  # a dtype a byte buffer does not hold: each alone
-            small, every = [], False
-    if not every:
-        together = set(small)
-        for i, (src, dst) in enumerate(zip(sources, targets)):
-            if i not in together:
-                try:
-                    _alone(src, dst, non_blocking)
-                except Exception as err:
-                    where = f"{_path(out, dst)} ({_walk.describe(src)})"
-                    _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
-        sources, targets = pick(sources, small), pick(targets, small)
-    if lay is None:
-        return
-    span = _step._one_span(targets, lay, coalesce)
-    if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
-        for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
-            dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
-    elif span is None and all(map(is_cpu, targets)):
-        torch._foreach_copy_(targets, sources)
-    elif span is not None and targets[0].is_cpu:
-        _layout.write(span, lay, sources)  # each target's bytes only
-        _step.written(targets)
-    else:
-        staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
-        _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
-        if span is None:
-            torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
-        else:
-            _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
-            _step.written(targets)
 
 
 def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
