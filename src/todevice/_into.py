@@ -98,10 +98,9 @@ def copy(
             if k >= 0 and reach[k] > start:
                 sources[i] = sources[i].clone()
     with torch.no_grad():
-        # The copies, on the current stream: large or device tensors each alone; the small host tensors together, in
-        # one copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``,
-        # else in one C++ loop into host memory, or from one staging buffer (page-locked for an accelerator) with a
-        # copy each.
+        # On the current stream: large or device tensors each alone; the small host tensors in one copy (one per group
+        # where the layout has padding) where their targets are one buffer laid out as ``lay``, else in one C++ loop
+        # into host memory, or from one staging buffer (page-locked for an accelerator) with a copy each.
         small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
         lay = None
         every = len(small) == len(sources)
@@ -164,8 +163,7 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _spans(tensors: list[torch.Tensor], once: bool = True) -> list[tuple[int, int, int]]:
-    """(start, end, index) of each tensor with memory (each distinct one, with ``once``), by address: meta and empty
-    tensors have none."""
+    """(start, end, index) of each tensor with memory (distinct ones with ``once``), sorted; meta and empty: none."""
     seen: set[int] = set()
     found = []
     for i, (t, ptr) in enumerate(zip(tensors, map(data_ptr, tensors))):
@@ -312,8 +310,7 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
 
 
 def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any] | None]:
-    """What pairs each child: a mapping's item its key, anything else its path entry; None for an item under a key in
-    ``skip``, which need not be on both sides."""
+    """What pairs each child: a mapping's item its key, anything else its path entry; None under a key in ``skip``."""
     keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
     return [
         ("entry", kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else ("key", k)  # type: ignore[misc]
