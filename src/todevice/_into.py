@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -276,19 +275,14 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     if not positional and not skip and kind.keys is not None:
         # The very same key objects on both sides, in the same order, and every child an item: they pair by position.
         # Equal keys that are other objects pair by ``_labels``, as a dict would find them.
-        keys, their_keys = kind.keys(aux), kind.keys(their_aux)
-        positional = (
-            len(keys) == len(their_keys)
-            and all(map(operator.is_, keys, their_keys))
-            and not any(map(operator.is_, keys, itertools.repeat(_tree._NO_KEY)))
-        )
+        ids = list(map(id, kind.keys(aux)))
+        positional = ids == list(map(id, kind.keys(their_aux))) and id(_tree._NO_KEY) not in ids
     if positional:
         paired: Any = zip(range(len(children)), children, theirs)
     else:
         mine = _labels(kind, aux, len(children), skip)
         wanted = [label for label in mine if label is not None]
-        labels = _labels(kind, their_aux, len(theirs), skip)
-        offered = {label: w for label, w in zip(labels, theirs) if label is not None}
+        offered = {k: w for k, w in zip(_labels(kind, their_aux, len(theirs), skip), theirs) if k is not None}
         absent = [label for label in wanted if label not in offered]
         if absent or len(wanted) != len(offered):
             known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
