@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import operator
 from typing import Any, NamedTuple, NoReturn
 
 import torch
 
 from todevice import _layout, _options, _passed, _step, _tree, _walk
+from todevice._layout import data_ptr, device_of, dtype_of, is_cpu, layout_of, nbytes_of, pick, requires_grad, shape_of
 
 _Tensor = torch.Tensor
 
@@ -52,8 +52,7 @@ def into(
         raise TypeError(msg)
     if strict:
         _passed.refuse_unknown(batch, skip)
-    sources, targets = paired(batch, out, skip)
-    copy(sources, targets, out, dev, non_blocking, dtype, coalesce, max_bytes)
+    copy(*paired(batch, out, skip), out, dev, non_blocking, dtype, coalesce, max_bytes)
     return out
 
 
@@ -87,7 +86,7 @@ def copy(
         return  # the common step, in few reads
     read = _check_pairs(sources, targets, out, dev, dtype)
     spans = apart(targets, out)
-    if spans and not (all(read.on_host) and not any(map(_is_cpu, targets))):  # host to device: nothing shared
+    if spans and not (all(read.on_host) and not any(map(is_cpu, targets))):  # host to device: nothing shared
         # Each source over a target is copied first, as if every source were read before anything is written (a
         # swap, a rolling buffer).
         starts = [start for start, _, _ in spans]
@@ -98,7 +97,47 @@ def copy(
             if k >= 0 and reach[k] > start:
                 sources[i] = sources[i].clone()
     with torch.no_grad():
-        _write_pairs(sources, targets, read, out, non_blocking, coalesce is not False, max_bytes)
+        # On the current stream: large or device tensors each alone; the small host tensors in one copy (one per group
+        # where the layout has padding) where their targets are one buffer laid out as ``lay``, else in one C++ loop
+        # into host memory, or from one staging buffer (page-locked for an accelerator) with a copy each.
+        small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
+        lay = None
+        every = len(small) == len(sources)
+        if small:
+            shapes, dtypes = read[:2] if every else (pick(read.shapes, small), pick(read.dtypes, small))
+            try:
+                lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
+            except TypeError:  # a dtype a byte buffer does not hold: each alone
+                small, every = [], False
+        if not every:
+            together = set(small)
+            for i, (src, dst) in enumerate(zip(sources, targets)):
+                if i not in together:
+                    try:
+                        _alone(src, dst, non_blocking)
+                    except Exception as err:
+                        where = f"{_path(out, dst)} ({_walk.describe(src)})"
+                        _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
+            sources, targets = pick(sources, small), pick(targets, small)
+        if lay is None:
+            return
+        span = _step._one_span(targets, lay, coalesce is not False)
+        if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
+            for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
+                dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
+        elif span is None and all(map(is_cpu, targets)):
+            torch._foreach_copy_(targets, sources)
+        elif span is not None and targets[0].is_cpu:
+            _layout.write(span, lay, sources)  # each target's bytes only
+            _step.written(targets)
+        else:
+            staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
+            _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
+            if span is None:
+                torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
+            else:
+                _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
+                _step.written(targets)
 
 
 def _path(out: Any, t: torch.Tensor) -> str:
@@ -123,11 +162,10 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _spans(tensors: list[torch.Tensor], once: bool = True) -> list[tuple[int, int, int]]:
-    """(start, end, index) of each tensor with memory (each distinct one, with ``once``), by address: meta and empty
-    tensors have none."""
+    """(start, end, index) of each tensor with memory (distinct ones with ``once``), sorted; meta and empty: none."""
     seen: set[int] = set()
     found = []
-    for i, (t, ptr) in enumerate(zip(tensors, map(_data_ptr, tensors))):
+    for i, (t, ptr) in enumerate(zip(tensors, map(data_ptr, tensors))):
         if ptr and not (once and id(t) in seen) and (n := _extent(t)):
             seen.add(id(t))
             found.append((ptr, ptr + n, i))
@@ -206,8 +244,7 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
     if code == _tree.TENSOR:
         if not isinstance(b, torch.Tensor):
             raise _Mismatch(f"out holds {_walk.describe(b)} where the batch has a {_walk.describe(a)}.")
-        found.append(a)
-        found.append(b)
+        found += (a, b)
     elif code == _tree.NODE:
         _pair_children(a, b, found, skip)
     elif code in (_tree.TO, _tree.PACKED):
@@ -238,19 +275,14 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
     if not positional and not skip and kind.keys is not None:
         # The very same key objects on both sides, in the same order, and every child an item: they pair by position.
         # Equal keys that are other objects pair by ``_labels``, as a dict would find them.
-        keys, their_keys = kind.keys(aux), kind.keys(their_aux)
-        positional = (
-            len(keys) == len(their_keys)
-            and all(map(operator.is_, keys, their_keys))
-            and not any(map(operator.is_, keys, itertools.repeat(_tree._NO_KEY)))
-        )
+        ids = list(map(id, kind.keys(aux)))
+        positional = ids == list(map(id, kind.keys(their_aux))) and id(_tree._NO_KEY) not in ids
     if positional:
         paired: Any = zip(range(len(children)), children, theirs)
     else:
         mine = _labels(kind, aux, len(children), skip)
         wanted = [label for label in mine if label is not None]
-        labels = _labels(kind, their_aux, len(theirs), skip)
-        offered = {label: w for label, w in zip(labels, theirs) if label is not None}
+        offered = {k: w for k, w in zip(_labels(kind, their_aux, len(theirs), skip), theirs) if k is not None}
         absent = [label for label in wanted if label not in offered]
         if absent or len(wanted) != len(offered):
             known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
@@ -262,8 +294,7 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
         paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
     for i, v, w in paired:
         if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
-            found.append(v)
-            found.append(w)
+            found += (v, w)
             continue
         try:
             _pair(v, w, found, skip)
@@ -273,8 +304,7 @@ def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[An
 
 
 def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any] | None]:
-    """What pairs each child: a mapping's item its key, anything else its path entry; None for an item under a key in
-    ``skip``, which need not be on both sides."""
+    """What pairs each child: a mapping's item its key, anything else its path entry; None under a key in ``skip``."""
     keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
     return [
         ("entry", kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else ("key", k)  # type: ignore[misc]
@@ -283,12 +313,6 @@ def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tu
 
 
 # ---------------------------------------------------------------- checking every pair, then copying
-
-
-_shape, _dtype, _device = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
-_is_cpu, _grad = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
-_pick = _layout.pick
-_nbytes, _data_ptr, _layout_of = operator.attrgetter("nbytes"), _Tensor.data_ptr, operator.attrgetter("layout")
 
 
 class _Read(NamedTuple):
@@ -308,19 +332,19 @@ def _check_pairs(
     read: _Read | None = None
     try:
         read = _read(sources, targets)
-        same_shapes = read.shapes == list(map(_shape, sources))
+        same_shapes = read.shapes == list(map(shape_of, sources))
     except RuntimeError:  # a strided nested tensor has no shape: no dense tensor to copy
         same_shapes = False
     if (
         read is not None
         and dtype is None
         and same_shapes
-        and read.dtypes == list(map(_dtype, sources))
-        and set(map(_layout_of, sources)) == {torch.strided}  # a sparse or jagged source: no dense tensor either
+        and read.dtypes == list(map(dtype_of, sources))
+        and set(map(layout_of, sources)) == {torch.strided}  # a sparse or jagged source: no dense tensor either
         and not _tree.transforming()  # nor, inside torch.func.vmap or grad, a wrapper with no memory of its own
-        and (dev is None or set(map(_device, targets)) == {dev})
+        and (dev is None or set(map(device_of, targets)) == {dev})
         and (all(read.on_host) or not any(t.is_meta for t in sources))
-        and not (torch.is_grad_enabled() and any(map(_grad, sources)))
+        and not (torch.is_grad_enabled() and any(map(requires_grad, sources)))
         and len(set(map(id, targets))) == len(targets)
         and _writable(targets)
     ):
@@ -353,14 +377,17 @@ def _check_pairs(
 
 def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
     return _Read(
-        list(map(_shape, targets)), list(map(_dtype, targets)), list(map(_is_cpu, sources)), list(map(_nbytes, sources))
+        list(map(shape_of, targets)),
+        list(map(dtype_of, targets)),
+        list(map(is_cpu, sources)),
+        list(map(nbytes_of, sources)),
     )
 
 
 def _writable(targets: list[torch.Tensor]) -> bool:
     """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
     return (
-        set(map(_layout_of, targets)) == {torch.strided}
+        set(map(layout_of, targets)) == {torch.strided}
         and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
         and (all(map(_Tensor.is_contiguous, targets)) or not any(map(_overlaps_itself, targets)))
     )
@@ -389,58 +416,6 @@ def check_targets(targets: list[torch.Tensor], out: Any) -> None:
         if (why := _target_fault(dst)) is not None:
             _refuse(out, dst, why)
     apart(targets, out)
-
-
-def _write_pairs(
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    read: _Read,
-    out: Any,
-    non_blocking: bool,
-    coalesce: bool,
-    max_bytes: int,
-) -> None:
-    """The copies, on the current stream: large or device tensors each alone; the small host tensors together, in one
-    copy (one per group where the layout has padding) where their targets are one buffer laid out as ``lay``, else in
-    one C++ loop into host memory, or from one staging buffer (page-locked for an accelerator) with a copy each."""
-    small = [i for i, (host, n) in enumerate(zip(read.on_host, read.nbytes)) if host and n <= max_bytes]
-    lay = None
-    every = len(small) == len(sources)
-    if small:
-        dtypes, shapes = (read.dtypes, read.shapes) if every else (_pick(read.dtypes, small), _pick(read.shapes, small))
-        try:
-            lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
-        except TypeError:  # a dtype a byte buffer does not hold: each alone
-            small, every = [], False
-    if not every:
-        together = set(small)
-        for i, (src, dst) in enumerate(zip(sources, targets)):
-            if i not in together:
-                try:
-                    _alone(src, dst, non_blocking)
-                except Exception as err:
-                    where = f"{_path(out, dst)} ({_walk.describe(src)})"
-                    _walk.raise_with_message(err, f"Cannot copy into out at {where}: {err}")
-        sources, targets = _pick(sources, small), _pick(targets, small)
-    if lay is None:
-        return
-    span = _step._one_span(targets, lay, coalesce)
-    if span is None and (any(map(_Tensor.is_conj, targets)) or any(map(_Tensor.is_neg, targets))):  # lazily
-        for src, dst in zip(sources, targets):  # conjugated or negated: each copied as copy_() resolves it
-            dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dst.device, src, waited=False))
-    elif span is None and all(map(_is_cpu, targets)):
-        torch._foreach_copy_(targets, sources)
-    elif span is not None and targets[0].is_cpu:
-        _layout.write(span, lay, sources)  # each target's bytes only
-        _step.written(targets)
-    else:
-        staging, asynchronous = _layout.staging(lay.nbytes, targets[0].device, pinned=non_blocking)
-        _layout.write(staging, lay, sources)  # casts where the targets' dtypes ask
-        if span is None:
-            torch._foreach_copy_(targets, _layout.read(staging, lay), non_blocking=asynchronous)
-        else:
-            _step.send(span, staging, lay, _layout.tight(lay), asynchronous)
-            _step.written(targets)
 
 
 def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:

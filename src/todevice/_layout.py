@@ -151,10 +151,7 @@ def _cut(region: torch.Tensor, group: Ragged, traced: bool = False) -> list[torc
 @functools.lru_cache(maxsize=1024)
 def _block_strides(shape: torch.Size, padded: int) -> tuple[int, ...]:
     """Strides of a block: ``padded`` elements from one tensor to the next, each tensor contiguous."""
-    inner = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        inner[d] = inner[d + 1] * shape[d + 1]
-    return (padded, *inner)
+    return (padded, *(shape[d + 1 :].numel() for d in range(len(shape))))
 
 
 def _regions(buffer: torch.Tensor, lay: Layout, traced: bool = False) -> _Regions:
@@ -331,10 +328,10 @@ def parts(
 
 def layout_for(tensors: Sequence[torch.Tensor], cast: torch.dtype | None) -> Layout:
     """The layout of these tensors, in this order."""
-    dtypes = tuple(map(_dtype_of, tensors))
+    dtypes = tuple(map(dtype_of, tensors))
     if not any(map(_Tensor.dim, tensors)):  # 0-dim tensors (a step's metrics): one shape, never read per tensor
         return layout(dtypes, (_SCALAR,) * len(tensors), cast)
-    return layout(dtypes, tuple(map(_shape_of, tensors)), cast)
+    return layout(dtypes, tuple(map(shape_of, tensors)), cast)
 
 
 class Sending(NamedTuple):
@@ -365,11 +362,6 @@ def sending(small: int, small_bytes: int, alone: int, alone_bytes: int, coalesce
 # two nearest the first; for a 16 MiB tensor it costs one launch more (14 us) and saves half a write. The sweep in
 # bench/gpu_check.py measures the sizes around it (bench/README.md).
 STAGE_CHUNK_BYTES = 8 * 1024 * 1024
-
-
-def pieces(n: int, itemsize: int) -> range:
-    """Where each piece of a staged tensor of ``n`` elements of ``itemsize`` bytes starts, in elements."""
-    return range(0, n, max(1, STAGE_CHUNK_BYTES // itemsize))
 
 
 def staging(nbytes: int, dev: torch.device, pinned: bool = True) -> tuple[torch.Tensor, bool]:
@@ -411,7 +403,7 @@ def send_staged(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         if src.is_neg() or src.is_conj():  # a lazy negation: copy_ into another dtype drops it (torch 2.13, float16)
             src = src.resolve_neg().resolve_conj()
         target = out.as_strided((n,), (1,), out.storage_offset())  # out is dense: one span of n
-        starts = pieces(n, sent.itemsize)
+        starts = range(0, n, max(1, STAGE_CHUNK_BYTES // sent.itemsize))  # where each piece starts, in elements
         if len(starts) > 1 and src.stride() == out.stride():  # dense too, then (channels-last images, say)
             # Both in memory order: the same elements, in the same order, as one span of n each.
             source, step = src.as_strided((n,), (1,), src.storage_offset()), starts.step
@@ -466,9 +458,9 @@ def distinct(sources: list[torch.Tensor]) -> bool:
         if len(sources) == 2:  # a common small batch: no set to build
             if sources[0].data_ptr() != sources[1].data_ptr():
                 return True
-        elif len(set(map(_data_ptr, sources))) == len(sources):
+        elif len(set(map(data_ptr, sources))) == len(sources):
             return True
-        ptrs = list(map(_data_ptr, sources))
+        ptrs = list(map(data_ptr, sources))
     except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
         return False
     # Meta and empty tensors all sit at address 0 and share nothing: they are told apart by identity.
@@ -480,12 +472,15 @@ def distinct(sources: list[torch.Tensor]) -> bool:
 # Slots made once: a skeleton holds one per tensor taken, and Slot(i) is always the same value.
 _SLOTS = tuple(map(_tree.Slot, range(4096)))
 NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  # a "keep" that says no, in C
-_data_ptr = _Tensor.data_ptr
-_dtype_of = operator.attrgetter("dtype")
-_shape_of = operator.attrgetter("shape")
 _SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
-device_of = operator.attrgetter("device")
-requires_grad = operator.attrgetter("requires_grad")
+# Tensor attributes, each read for many tensors in one C loop with map() (here, and by _into and _step).
+data_ptr, is_cpu, requires_grad = _Tensor.data_ptr, operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
+dtype_of, shape_of, device_of = (
+    operator.attrgetter("dtype"),
+    operator.attrgetter("shape"),
+    operator.attrgetter("device"),
+)
+nbytes_of, layout_of = operator.attrgetter("nbytes"), operator.attrgetter("layout")
 
 
 class _Taking:
@@ -510,19 +505,14 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
         s.loose.append(t)
         return t
     max_bytes = s.max_bytes
-    if max_bytes is not None:
-        try:
-            big = t.nbytes > max_bytes
-        except RuntimeError:  # sparse tensors have no nbytes
-            big = True
-        if big:
-            s.loose.append(t)
-            s.alone.append(t)
-            return t  # a large tensor keeps its own memory
-    if t.requires_grad and not s.grad:
+    try:
+        big = max_bytes is not None and t.nbytes > max_bytes
+    except RuntimeError:  # sparse tensors have no nbytes
+        big = True
+    if big or (t.requires_grad and not s.grad):  # move() coalesces tensors that need no autograd only
         s.loose.append(t)
         s.alone.append(t)
-        return t  # move() coalesces tensors that need no autograd only
+        return t  # a large tensor keeps its own memory
     tensors = s.tensors
     tensors.append(t)
     try:
@@ -533,11 +523,10 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
 
 def _take_carefully(t: torch.Tensor, s: _Taking) -> Any:
     """The take for a structure that repeats tensors, ties memory, or holds exotic tensors."""
-    max_bytes = s.max_bytes
     if (
         not _tree.dense(t)  # sparse, mkldnn, nested and functorch-wrapped tensors travel as they are
         or t.is_cpu is s.devices
-        or (max_bytes is not None and t.nbytes > max_bytes)
+        or (s.max_bytes is not None and t.nbytes > s.max_bytes)
         or (t.requires_grad and not s.grad)
     ):
         s.loose.append(t)
@@ -574,7 +563,7 @@ class Takes(NamedTuple):
 def takes(skip: frozenset[Any], devices: bool) -> Takes:
     """The takes that leave the items under the keys in ``skip`` as they are: of host tensors, or with ``devices``
     of tensors off the host, where host tensors stay where they are at the cost of a C call each."""
-    keep = operator.attrgetter("is_cpu") if devices else NEVER
+    keep = is_cpu if devices else NEVER
     return Takes(
         _walk.make(keep, _take, _as_it_is, _tree.kind_for_packing, skip=skip),
         _walk.make(keep, _take_carefully, _as_it_is, _tree.kind_for_packing, skip=skip),
@@ -602,13 +591,12 @@ def take(obj: Any, walks: Takes, max_bytes: int | None, cast: torch.dtype | None
     optimistic, careful, devices = walks
     taking = _Taking(max_bytes, grad, devices)
     skeleton = optimistic.walk(obj, taking)
-    tensors = taking.tensors
     try:
         # A repeated address means a tensor met twice or memory shared, which the memo walk
         # sorts out; so does a sparse tensor, which has no data_ptr(), a nested one, no shape, and
         # a quantized one, a dtype a byte buffer does not hold.
-        if len(set(map(_data_ptr, tensors))) == len(tensors):
-            return Taken(skeleton, tensors, layout_for(tensors, cast), taking.loose, taking.alone)
+        if len(set(map(data_ptr, taking.tensors))) == len(taking.tensors):
+            return Taken(skeleton, taking.tensors, layout_for(taking.tensors, cast), taking.loose, taking.alone)
     except (RuntimeError, TypeError):
         pass
     taking = _Taking(max_bytes, grad, devices)

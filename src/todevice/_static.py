@@ -79,17 +79,18 @@ class StaticBatch:
         skip_keys: Any = None,
         strict: bool = False,
     ) -> None:
-        self._build(static, non_blocking, dtype, skip_keys, strict, owned=False)
+        self._build(static, skip_keys, (non_blocking, dtype, strict, False))
 
-    def _build(self, static: Any, non_blocking: bool, dtype: Any, skip_keys: Any, strict: bool, owned: bool) -> None:
-        """``owned``: ``static``'s tensors are views of a buffer made for them alone, by :func:`static`."""
+    def _build(self, static: Any, skip_keys: Any, options: tuple[bool, Any, bool, bool]) -> StaticBatch:
+        """``options``: non_blocking, dtype, strict, owned (the tensors are views of a buffer :func:`static` made)."""
+        non_blocking, dtype, strict, owned = options
         _options.check_bool(non_blocking, "non_blocking")
         _options.check_bool(strict, "strict")
         if dtype is not None:
             _options.check_dtype(dtype)
         self.static = static
         self._skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-        self._options = (non_blocking, dtype, strict, owned)
+        self._options = options
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
         self._targets = _into.paired(static, static, self._skip)[1]
         _into.check_targets(self._targets, static)
@@ -102,6 +103,7 @@ class StaticBatch:
         storage = None if step is None else step.span.untyped_storage()  # where the buffer is, and how large
         self._storage = None if storage is None else (storage, storage.data_ptr(), storage.nbytes())
         self._held = self._staging()
+        return self
 
     def __call__(self, batch: Any, /) -> Any:
         """Copy ``batch``'s tensors into the static buffers; return ``static``, the very object.
@@ -175,10 +177,7 @@ class StaticBatch:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StaticBatch:
         """A handle on a deep copy of ``static``: its own buffers, checked as any new handle's are."""
-        non_blocking, dtype, strict, owned = self._options
-        twin = object.__new__(StaticBatch)
-        twin._build(copy.deepcopy(self.static, memo), non_blocking, dtype, self._skip or None, strict, owned)
-        return twin
+        return object.__new__(StaticBatch)._build(copy.deepcopy(self.static, memo), self._skip or None, self._options)
 
     def __repr__(self) -> str:
         one = " in one buffer" if self._step is not None else ""
@@ -233,9 +232,8 @@ def static(
         )
         raise ValueError(msg)
     from_host.requires_grad = ()  # buffers a graph reads, not parameters
-    feed = object.__new__(StaticBatch)
-    feed._build(_one_counter(from_host.unpack(dev)), non_blocking, dtype, skip_keys, strict, owned=True)
-    return feed
+    buffers = _one_counter(from_host.unpack(dev))
+    return object.__new__(StaticBatch)._build(buffers, skip_keys, (non_blocking, dtype, strict, True))
 
 
 def _one_counter(buffers: Any) -> Any:

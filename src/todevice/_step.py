@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 from typing import Any, NamedTuple
 
 import torch
 
 from todevice import _layout, _tree
+from todevice._layout import data_ptr, dtype_of, is_cpu, nbytes_of, pick, requires_grad, shape_of
 
 _Tensor = torch.Tensor
-_shape, _dtype, _nbytes = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("nbytes")
-_is_cpu, _grad = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
-_pick, _data_ptr = _layout.pick, _Tensor.data_ptr
 
 
 class Step(NamedTuple):
@@ -49,9 +46,9 @@ def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -
     if set(map(type, targets)) != {_Tensor}:
         return None
     try:
-        dtypes, shapes = list(map(_dtype, targets)), list(map(_shape, targets))
+        dtypes, shapes = list(map(dtype_of, targets)), list(map(shape_of, targets))
         lay = _layout.layout(tuple(dtypes), tuple(shapes), None)
-        if lay.nbytes > max_bytes and max(map(_nbytes, targets)) > max_bytes:
+        if lay.nbytes > max_bytes and max(map(nbytes_of, targets)) > max_bytes:
             return None
         span = _one_span(targets, lay, True)
     except (RuntimeError, TypeError, NotImplementedError):  # no shape or storage (nested, sparse); a dtype a byte
@@ -64,9 +61,9 @@ def step_for(targets: list[torch.Tensor], max_bytes: int, owned: bool = False) -
         n, read = (g.n, 1) if isinstance(g, _layout.Block) else (len(g.shapes), len(g.shapes))
         probe.extend(lay.walk_order[k : k + read])
         k += n
-    inference, grad = any(map(_Tensor.is_inference, targets)), any(map(_grad, targets))
+    inference, grad = any(map(_Tensor.is_inference, targets)), any(map(requires_grad, targets))
     return Step(
-        lay, span, owned or _layout.tight(lay), dtypes, tuple(probe), _pick(shapes, probe), inference, grad, targets
+        lay, span, owned or _layout.tight(lay), dtypes, tuple(probe), pick(shapes, probe), inference, grad, targets
     )
 
 
@@ -75,14 +72,14 @@ def fed(step: Step, sources: list[torch.Tensor], non_blocking: bool, held: Any =
     sources written into one staging buffer (``held``: a host one and its regions, for host targets), then sent
     into the targets. False, with no target written, where the full check is to run and name what differs. Every
     source is read before a target is written, so sources over the targets copy as if read first."""
-    if set(map(type, sources)) != {_Tensor} or list(map(_dtype, sources)) != step.dtypes:
+    if set(map(type, sources)) != {_Tensor} or list(map(dtype_of, sources)) != step.dtypes:
         return False
-    probed = _pick(sources, step.probe)
+    probed = pick(sources, step.probe)
     try:
         if (
-            list(map(_shape, probed)) != step.shapes
-            or not all(map(_is_cpu, probed))
-            or (torch.is_grad_enabled() and any(map(_grad, probed)))
+            list(map(shape_of, probed)) != step.shapes
+            or not all(map(is_cpu, probed))
+            or (torch.is_grad_enabled() and any(map(requires_grad, probed)))
             or _tree.transforming()  # inside torch.func.vmap or grad: wrappers with no memory of their own
             or (step.inference and not torch.is_inference_mode_enabled())
         ):
@@ -175,7 +172,7 @@ def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | No
         return None
     start = first.data_ptr() - offsets[0]
     if start:  # where memory has addresses: each target at its offset from one start, in one storage's memory
-        if [p - start for p in map(_data_ptr, targets)] != list(offsets):
+        if [p - start for p in map(data_ptr, targets)] != list(offsets):
             return None
     else:  # meta tensors have none: the same storage, at the same offsets
         key = storage._cdata
