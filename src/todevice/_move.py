@@ -80,7 +80,6 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     else:
         keep = lambda t: t.device == dev and t.dtype == _options.cast_to(t.dtype, dtype)  # noqa: E731
     placed = operator.attrgetter("is_meta") if keep is _layout.NEVER else keep
-    mps = dev.type == "mps"
     # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
     plain = dtype is None and (not non_blocking or dev.type == "meta")
 
@@ -88,7 +87,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     gathers = dev.type == "cpu"
     to_host = gathers and non_blocking
     stage = _layout.stages(non_blocking, dev)
-    by_tensor = non_blocking and (gathers or mps)  # whether _layout.asynchronous's answer depends on the tensor
+    by_tensor = non_blocking and dev.type in ("cpu", "mps")  # whether _layout.asynchronous's answer is per tensor
 
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
@@ -144,10 +143,9 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     memo_walk = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _skipped_item)
     others = functools.partial(_plain_objects_only, placed=placed)
     host_walk = _walk.make(keep, recorded, others, _tree.kind_of, skip=skip) if host else None
-    walks = (host_walk, memo_walk)
     return Plan(
-        dev, non_blocking, dtype, keep, placed, to, alone, one, *walks, not host, gathers, stage, to_host, skip,
-        dev.type != "meta", _layout.takes(skip, gathers),
+        dev, non_blocking, dtype, keep, placed, to, alone, one, host_walk, memo_walk, not host, gathers, stage, to_host,
+        skip, dev.type != "meta", _layout.takes(skip, gathers),
     )  # fmt: skip
 
 
@@ -351,14 +349,13 @@ def _unpacked(batch: _tree.Packed, s: State) -> Any:
     views = _send(s, batch.buffer, batch.layout)
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
-    skeleton = batch.skeleton
     s.know_taken()  # the outer batch's taken tensors, which the views below replace
     outer = s.views, s.aliases, s.packed, s.filling
     s.views, s.aliases, s.packed, s.filling = views, {}, batch, None
     try:
-        out = _memo_walk(skeleton, s)
+        out = _memo_walk(batch.skeleton, s)
     except LeafError as failure:  # the walk the batch is in names the path
-        raise failure.within(batch, skeleton, s.plan.skip) from None
+        raise failure.within(batch, batch.skeleton, s.plan.skip) from None
     finally:
         s.views, s.aliases, s.packed, s.filling = outer
     s.memo[id(batch)] = (batch, out)
