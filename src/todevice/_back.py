@@ -155,6 +155,8 @@ def _rebuilt(x: Any, views: Iterator[torch.Tensor]) -> Any:
     tp = type(x)
     values = x.values() if tp is dict else x
     if set(map(type, values)) == _JUST_TENSORS:
+        if tp is dict:
+            return dict(zip(x, views))  # zip stops at x's end, before taking a view more
         done = list(itertools.islice(views, len(x)))
     else:
         done = [next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views) for v in values]
