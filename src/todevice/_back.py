@@ -114,7 +114,7 @@ def brought(obj: Any, max_bytes: int) -> Any:
         return None
     # Checked in bulk, a C loop each: none needing grad, all on one device (an index each: one accelerator type
     # per process, and -1 for the host and meta).
-    if any(map(_requires_grad, tensors)) or len(set(map(_Tensor.get_device, tensors))) > 1:
+    if any(map(_layout.requires_grad, tensors)) or len(set(map(_Tensor.get_device, tensors))) > 1:
         return None
     try:
         lay = _layout.layout_for(tensors, None)
@@ -124,9 +124,6 @@ def brought(obj: Any, max_bytes: int) -> Any:
     except (RuntimeError, TypeError):  # sparse (no data_ptr), nested (no shape), a dtype no buffer holds, no room
         return None
     return _rebuilt(obj, iter(_layout.read(_layout.landed(buffer), lay)))
-
-
-_requires_grad = _layout.requires_grad
 
 
 _DEPTH_MAX = 100  # containers deep: the rebuild recurses too, two frames a level; deeper batches take the general way
@@ -156,18 +153,14 @@ def _only_plain(x: Any, tensors: list[torch.Tensor], depth: int = 0) -> bool:
 def _rebuilt(x: Any, views: Iterator[torch.Tensor]) -> Any:
     """``x`` rebuilt, each tensor replaced by the next of ``views``, in the order ``_plain`` met them."""
     tp = type(x)
-    if set(map(type, x.values() if tp is dict else x)) == _JUST_TENSORS:
+    values = x.values() if tp is dict else x
+    if set(map(type, values)) == _JUST_TENSORS:
         if tp is dict:
             return dict(zip(x, views))  # zip stops at x's end, before taking a view more
         done = list(itertools.islice(views, len(x)))
-        return done if tp is list else tuple(done)
-    if tp is dict:
-        return {
-            k: next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views)
-            for k, v in x.items()
-        }
-    done = [next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views) for v in x]
-    return done if tp is list else tuple(done)
+    else:
+        done = [next(views) if type(v) is _Tensor else v if type(v) in _ATOMS else _rebuilt(v, views) for v in values]
+    return dict(zip(x, done)) if tp is dict else done if tp is list else tuple(done)
 
 
 def gathered_back(

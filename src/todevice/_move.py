@@ -80,7 +80,6 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     else:
         keep = lambda t: t.device == dev and t.dtype == _options.cast_to(t.dtype, dtype)  # noqa: E731
     placed = operator.attrgetter("is_meta") if keep is _layout.NEVER else keep
-    mps = dev.type == "mps"
     # A copy is ``t.to(dev)``: no cast, and nothing asynchronous (non_blocking means nothing for meta).
     plain = dtype is None and (not non_blocking or dev.type == "meta")
 
@@ -88,7 +87,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     gathers = dev.type == "cpu"
     to_host = gathers and non_blocking
     stage = _layout.stages(non_blocking, dev)
-    by_tensor = non_blocking and (gathers or mps)  # whether _layout.asynchronous's answer depends on the tensor
+    by_tensor = non_blocking and dev.type in ("cpu", "mps")  # whether _layout.asynchronous's answer is per tensor
 
     def to(t: torch.Tensor) -> torch.Tensor:
         if plain:
@@ -144,10 +143,9 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
     memo_walk = _walk.make(keep, moved, _leaf, _tree.kind_of, _slot, skip, _skipped_item)
     others = functools.partial(_plain_objects_only, placed=placed)
     host_walk = _walk.make(keep, recorded, others, _tree.kind_of, skip=skip) if host else None
-    walks = (host_walk, memo_walk)
     return Plan(
-        dev, non_blocking, dtype, keep, placed, to, alone, one, *walks, not host, gathers, stage, to_host, skip,
-        dev.type != "meta", _layout.takes(skip, gathers),
+        dev, non_blocking, dtype, keep, placed, to, alone, one, host_walk, memo_walk, not host, gathers, stage, to_host,
+        skip, dev.type != "meta", _layout.takes(skip, gathers),
     )  # fmt: skip
 
 
@@ -161,37 +159,26 @@ _plans: dict[tuple[Any, ...], Plan | Bare] = {}
 def plan_for(device: Any, non_blocking: bool, dtype: Any, *options: Any, **named: Any) -> Plan:
     """The plan for move()'s arguments, each checked by ``_options.check`` (``options`` and ``named``: its arguments
     after ``dtype``); "cuda" gets the current device's plan."""
-    p = _cached(device, non_blocking, dtype, frozenset())  # checks the device, non_blocking and dtype, in that order
-    if type(p) is Bare:
-        p = _current(p, non_blocking, dtype)
-    assert type(p) is Plan
+    p = _cached((type(device), device, non_blocking, dtype), device, non_blocking, dtype)  # checks those, in order
+    if type(p) is Bare:  # kept by the current index: made once per index, not once per call
+        index = _stream.current_index()
+        p = _cached((p, index, non_blocking, dtype), torch.device(p.type, index), non_blocking, dtype)
     skip = _options.check(device, non_blocking, dtype, *options, **named, dev=p.dev)[1]  # type: ignore[misc]
     if skip:  # 1 finds True's plan above; the check refuses it
-        p = _cached(p.dev, non_blocking, dtype, skip)
-    return p  # type: ignore[return-value]  # a device with its index has a plan
+        p = _cached((p.dev, non_blocking, dtype, skip), p.dev, non_blocking, dtype, skip)
+    return p  # type: ignore[no-any-return]  # a device with its index has a plan
 
 
-def _cached(device: Any, non_blocking: bool, dtype: Any, skip: frozenset[Any]) -> Plan | Bare:
-    key = (type(device), device, non_blocking, dtype, skip) if skip else (type(device), device, non_blocking, dtype)
+def _cached(key: tuple[Any, ...], device: Any, nb: bool, dtype: Any, skip: frozenset[Any] = frozenset()) -> Any:
     try:
         return _plans[key]
     except (KeyError, TypeError):  # not made yet, or unhashable: plan() refuses every unhashable argument
         pass
-    p = plan(device, non_blocking, dtype, skip)
+    p = plan(device, nb, dtype, skip)
     if len(_plans) >= 256:  # arguments made per call would otherwise pile up
         _plans.clear()
     _plans[key] = p
     return p
-
-
-def _current(bare: Bare, non_blocking: bool, dtype: Any) -> Plan:
-    """The plan of the accelerator's current device, kept by its index: made once per index, not once per call."""
-    index = _stream.current_index()
-    key = (bare, index, non_blocking, dtype)
-    p = _plans.get(key)
-    if p is None:
-        p = _plans[key] = _cached(torch.device(bare.type, index), non_blocking, dtype, frozenset())
-    return p  # type: ignore[return-value]
 
 
 def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
@@ -275,14 +262,14 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
     except LeafError as failure:
         _walk.explain(failure, obj, p.dev, skip=p.skip)
     except _Gather:
-        if not gather:
-            return walk_again(obj, p, rec)
-        if not p.skip and p.dtype is None:  # plain dicts, lists and tuples of device tensors: one look, one copy
-            out = _back.brought(obj, max_bytes)
-            if out is not None:
-                return out
-        s = State(p, rec)
-        return s.finish(_batch(obj, s, True, max_bytes))
+        # Plain dicts, lists and tuples of device tensors: one look, one copy.
+        out = _back.brought(obj, max_bytes) if gather and not p.skip and p.dtype is None else None
+        if out is not None:
+            return out
+        if gather:
+            s = State(p, rec)
+            return s.finish(_batch(obj, s, True, max_bytes))
+        return walk_again(obj, p, rec)
     except (_NeedsMemo, RecursionError):  # an object the memo walk moves, or deep nesting
         return walk_again(obj, p, rec)
     if len(rec) > 2 and not _layout.distinct(rec[::2]):  # a tensor met twice, or two over one memory
@@ -359,20 +346,16 @@ def _skipped_item(x: Any, s: State) -> Any:
 
 def _unpacked(batch: _tree.Packed, s: State) -> Any:
     """A packed batch: its buffer sent once, its slots filled with views of the copy."""
-    hit = s.memo.get(id(batch))
-    if hit is not None:
-        return hit[1]
     views = _send(s, batch.buffer, batch.layout)
     for k in batch.requires_grad:
         views[k] = views[k].requires_grad_()
-    skeleton = batch.skeleton
     s.know_taken()  # the outer batch's taken tensors, which the views below replace
     outer = s.views, s.aliases, s.packed, s.filling
     s.views, s.aliases, s.packed, s.filling = views, {}, batch, None
     try:
-        out = _memo_walk(skeleton, s)
+        out = _memo_walk(batch.skeleton, s)
     except LeafError as failure:  # the walk the batch is in names the path
-        raise failure.within(batch, skeleton, s.plan.skip) from None
+        raise failure.within(batch, batch.skeleton, s.plan.skip) from None
     finally:
         s.views, s.aliases, s.packed, s.filling = outer
     s.memo[id(batch)] = (batch, out)
@@ -389,6 +372,9 @@ def _slot(x: _tree.Slot, s: State) -> torch.Tensor:  # a packed batch's slot: it
 def _leaf(x: Any, code: int, s: State) -> Any:
     if code == _tree.SLOT:  # an AliasSlot: a distinct tensor over the same memory as another, a view of its view
         return _tree.filled(x, s.views, s.aliases)
+    hit = s.memo.get(id(x))  # a .to() object or a packed batch moved already
+    if hit is not None:
+        return hit[1]
     if code == _tree.TO:
         return _to_object(x, s)
     if code == _tree.PACKED:
@@ -400,9 +386,6 @@ def _leaf(x: Any, code: int, s: State) -> Any:
 
 
 def _to_object(obj: Any, s: State) -> Any:
-    hit = s.memo.get(id(obj))
-    if hit is not None:
-        return hit[1]
     p = s.plan
     held = _walk.devices_inside(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
@@ -546,15 +529,12 @@ def move(
 _untraced = _traced.untraced(move, "todevice.move()")
 
 
-def _into_static(
-    obj: Any, out: Any, device: Any, nb: bool, dtype: Any, coalesce: Any, max_bytes: Any, *opts: Any
-) -> Any:
+def _into_static(obj: Any, out: Any, device: Any, nb: bool, dtype: Any, *opts: Any) -> Any:
     """move() with out=: the plan checks the device and options; without a device, out's tensors say where to."""
-    stream, strict, skip_keys = opts
-    p = plan_for("cpu" if device is None else device, nb, dtype, coalesce, max_bytes, stream, strict, skip_keys)
+    p = plan_for("cpu" if device is None else device, nb, dtype, *opts)
+    coalesce, max_bytes, stream, strict, _ = opts
     dev = None if device is None else p.dev
-    stream = _stream.issuing(stream, p.dev)
-    return _into.into(obj, out, dev, nb, dtype, coalesce, max_bytes, stream, strict, p.skip)
+    return _into.into(obj, out, dev, nb, dtype, coalesce, max_bytes, _stream.issuing(stream, p.dev), strict, p.skip)
 
 
 def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: Any, strict: bool) -> Any:
@@ -562,8 +542,7 @@ def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: A
     if strict:
         _passed.refuse_unknown(obj, p.skip)
     s = State(p)
-    if stream is not None:
-        stream = _stream.issuing(stream, p.dev)
+    stream = _stream.issuing(stream, p.dev)
     if stream is None:
         out = _batch(obj, s, coalesce, max_bytes)
     else:
@@ -615,13 +594,12 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
     """Copy a host buffer to the target once, and cut the copy into views (cast where the layout says)."""
     p = s.plan
     if buffer.device != p.dev:
-        cast_on_host = False
         if not buffer.is_cpu:  # a packed batch loaded onto a device
             _order(buffer, s)
             if p.to_host:
                 s.waits.add(buffer.device)  # waited for before the move returns
-                # A cast is made on the host as soon as the buffer is read: the copy must have landed.
-                cast_on_host = p.dtype is not None
+        # A cast is made on the host as soon as the buffer is read: the copy must have landed.
+        cast_on_host = p.to_host and p.dtype is not None and not buffer.is_cpu
         try:
             # A uint8 tensor copied alone: staged, pinned or pageable by the same rules as any other.
             buffer = buffer.to(p.dev) if cast_on_host else p.alone(buffer)

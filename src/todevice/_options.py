@@ -80,18 +80,10 @@ def skip_set(skip_keys: Any) -> frozenset[Any]:
         raise TypeError(msg) from None
 
 
-def check_bool(value: Any, name: str) -> None:
+def check_bool(value: Any, name: str, takes: str = "True or False") -> None:
     """A TypeError naming ``name`` unless ``value`` is True or False."""
     if value is not True and value is not False:
-        msg = f"Cannot move with {name}={value!r}: {name} takes True or False."
-        raise TypeError(msg)
-
-
-def check_coalesce(value: Any) -> None:
-    if value is not None and value is not True and value is not False:
-        msg = (
-            f"Cannot move with coalesce={value!r}: coalesce takes None (the default: decided per batch), True or False."
-        )
+        msg = f"Cannot move with {name}={value!r}: {name} takes {takes}."
         raise TypeError(msg)
 
 
@@ -115,7 +107,8 @@ def check(
     check_bool(non_blocking, "non_blocking")
     if dtype is not None:
         check_dtype(dtype)
-    check_coalesce(coalesce)
+    if coalesce is not None:
+        check_bool(coalesce, "coalesce", "None (the default: decided per batch), True or False")
     if max_bytes is not COALESCE_MAX_BYTES:
         check_max_bytes(max_bytes, "coalesce with coalesce_max_bytes")
     if stream is not None:

@@ -182,9 +182,7 @@ class PackedBatch(_tree.Packed):
             buffer = self.buffer.pin_memory()
         except RuntimeError:  # no accelerator, or a backend without pinned memory
             return self
-        skeleton = self.skeleton
-        if self.loose:
-            skeleton = pin_structure(skeleton)  # type: ignore[no-untyped-call]
+        skeleton = pin_structure(self.skeleton) if self.loose else self.skeleton  # type: ignore[no-untyped-call]
         return PackedBatch(buffer, self.layout, skeleton, self.requires_grad, self.loose)
 
     def unpack(self, device: Any = None, *, non_blocking: bool = True) -> Any:

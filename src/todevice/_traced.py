@@ -70,8 +70,7 @@ def _peeked_callback() -> Any:
 # host-side steps fail that way (a pinned result, a fallback in an ``except`` that dynamo does not
 # take), so a move made there takes this walk too.
 _eval_frame_callback: Callable[[], Any] = getattr(_EVAL_FRAME, "get_eval_frame_callback", _peeked_callback)
-if _eval_frame_callback is _peeked_callback:
-    _never_compiled(_peeked_callback)
+_never_compiled(_peeked_callback)
 
 # Whether dynamo traces this walk: from torch 2.11. Before, it crashes on it (2.8 cannot trace
 # ``frozenset.__contains__``) or gives a wrong result (2.10 hands back a frozenset of tensors empty). There move(),
@@ -141,14 +140,12 @@ def compiled(
     ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring).
     """
     error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, strict, skip_keys)
-    if error == "TypeError":  # raised in the graph: dynamo runs the call as plain Python, which raises it again
-        raise TypeError(msg)
-    if error:
-        raise ValueError(msg)
+    if error:  # raised in the graph: dynamo runs the call as plain Python, which raises it again
+        raise (TypeError if error == "TypeError" else ValueError)(msg)
     if stream is not None:
         _stream.check_stream(stream)
     dev = _target(device)
-    skip = _skip_set(skip_keys)
+    skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
     h = _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), dtype, skip)
     out = h.walk(obj, h)
     if strict and h.unknown:
@@ -184,10 +181,6 @@ def _target(device: Any) -> torch.device:
 
 
 _target._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _skip_set(skip_keys: Hashable | Collection[Hashable] | None) -> frozenset[Any]:
-    return frozenset() if skip_keys is None else _options.skip_set(skip_keys)
 
 
 class _How:
@@ -248,15 +241,11 @@ def _kept(x: Any, h: _How) -> Any:
 def _leaf(x: Any, code: int, h: _How) -> Any:
     """What the walk does with a leaf that is neither a tensor nor an atom, by its code (``_kind``)."""
     if code == _tree.SLOT:  # an AliasSlot
-        return _tree.filled(x, h.views, h.aliases)
+        return _slot(x, h)
     if code == _tree.TO:
         return _to_object(x, h)
     if code == _tree.PACKED:
-        out = _met(x, h)
-        if out is None:
-            out = _unpacked(x, h)
-            h.memo.append((x, out))
-        return out
+        return _unpacked(x, h)
     if code == _tree.SUBSET:
         return _subset_outside_graph(x, h)
     h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
@@ -266,9 +255,7 @@ def _leaf(x: Any, code: int, h: _How) -> Any:
 def _kind(tp: type) -> _tree.Kind:
     """The walk's ``kind_of``, as dynamo traces it: a registered or built-in container's rule, read from the dicts
     that hold it by type; any other type's, or the form written for dynamo that its rule names (``_form``)."""
-    kind = _tree._registry.get(tp)  # read without the lock, as _tree reads it (kind_of takes it, dynamo cannot)
-    if kind is None:
-        kind = _BUILTIN.get(tp)
+    kind = _tree._registry.get(tp) or _BUILTIN.get(tp)  # without the lock, as _tree reads it (kind_of takes it)
     if kind is not None:
         return kind
     at = _form(tp)
@@ -289,14 +276,6 @@ def _form(tp: type) -> int:
 
 
 _form._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _structseq(x: Any) -> tuple[list[Any], type]:
-    return list(x), type(x)
-
-
-def _structseq_made(tp: Any, children: list[Any]) -> Any:
-    return tp(children)
 
 
 def _attributes(x: Any) -> tuple[list[Any], tuple[type, list[str]]]:
@@ -324,7 +303,7 @@ def _attributes_set(aux: tuple[type, list[str]], children: list[Any]) -> Any:
 # What the walk does with each kind of leaf (by its code), and the containers taken by a form of their own.
 _FORMS: tuple[_tree.Kind, ...] = (
     *(_tree.Kind(code) for code in range(_tree.STRUCTSEQ)),
-    _tree.Kind(_tree.NODE, _structseq, _structseq_made),
+    _tree.Kind(_tree.NODE, lambda x: (list(x), type(x)), lambda tp, children: tp(children)),  # a structseq
     _tree.Kind(_tree.NODE, _attributes, _attributes_set),
     _tree.Kind(_tree.SUBSET),
 )
@@ -405,14 +384,13 @@ def _to_object(x: Any, h: _How) -> Any:
         if not LISTS_ATTRIBUTES:
             torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
         target = _walk.copy_for_to(x)
-    casts: dict[str, torch.dtype] = {}
+    named: dict[str, Any] = {}
     floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
     if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
-        casts["dtype"] = h.dtype
+        named["dtype"] = h.dtype
     if _tree.to_takes(tp, "non_blocking"):
-        out = target.to(h.dev, non_blocking=h.nb, **casts)
-    else:
-        out = target.to(h.dev, **casts)
+        named["non_blocking"] = h.nb
+    out = target.to(h.dev, **named)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
@@ -443,27 +421,29 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
 
 def _unpacked(batch: Any, h: _How) -> Any:
     """A packed batch's structure, its slots filled with its tensors moved (those that required grad as new leaves)."""
+    out = _met(batch, h)
+    if out is not None:
+        return out
     lay = batch.layout
+    outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
     if not lay.order:
         # Packed under torch.compile, its tensors are those of the structure packed; the eager unpack
         # gives copies (read from the buffer), which this one gives too. Packed outside with every
         # tensor left loose, they come back as they are, as the eager unpack gives them.
-        fresh, h.fresh = h.fresh, lay is NOTHING_PACKED
-        out = h.walk(batch.skeleton, h)
-        h.fresh = fresh
-        return out
-    read = _layout.read(batch.buffer, lay)
-    views = [_one(v, h) for v in read]
-    for k in batch.requires_grad:
-        views[k] = views[k].detach().requires_grad_()
-    held = None
-    if h.skip:  # the items to skip are filled where the buffer is, and nothing in them moves
-        held = _How(batch.buffer.device, False, None, frozenset())
-        held.views, held.aliases = read, {}
+        h.fresh = lay is NOTHING_PACKED
+    else:
+        read = _layout.read(batch.buffer, lay)
+        views = [_one(v, h) for v in read]
         for k in batch.requires_grad:
-            read[k] = read[k].detach().requires_grad_()
-    outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
-    h.views, h.aliases, h.held, h.fresh = views, {}, held, False
+            views[k] = views[k].detach().requires_grad_()
+        held = None
+        if h.skip:  # the items to skip are filled where the buffer is, and nothing in them moves
+            held = _How(batch.buffer.device, False, None, frozenset())
+            held.views, held.aliases = read, {}
+            for k in batch.requires_grad:
+                read[k] = read[k].detach().requires_grad_()
+        h.views, h.aliases, h.held, h.fresh = views, {}, held, False
     out = h.walk(batch.skeleton, h)
     h.views, h.aliases, h.held, h.fresh = outer
+    h.memo.append((batch, out))
     return out
