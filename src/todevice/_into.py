@@ -52,7 +52,7 @@ def into(
         raise TypeError(msg)
     if strict:
         _passed.refuse_unknown(batch, skip)
-    copy(*paired(batch, out, skip), out, dev, non_blocking, dtype, coalesce, max_bytes)
+    copy(*paired(batch, out, skip), out, dev, Copying(non_blocking, dtype, coalesce, max_bytes))
     return out
 
 
@@ -65,20 +65,23 @@ def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tenso
     return found[0::2], found[1::2]
 
 
+class Copying(NamedTuple):
+    """out='s options for ``copy``; ``find_step``: look for the one-buffer step (a StaticBatch, which holds it, has
+    tried it)."""
+
+    non_blocking: bool
+    dtype: torch.dtype | None
+    coalesce: bool | None
+    max_bytes: int
+    find_step: bool = True
+
+
 def copy(
-    sources: list[torch.Tensor],
-    targets: list[torch.Tensor],
-    out: Any,
-    dev: torch.device | None,
-    non_blocking: bool,
-    dtype: torch.dtype | None,
-    coalesce: bool | None,
-    max_bytes: int,
-    find_step: bool = True,
+    sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, how: Copying
 ) -> None:
     """Each source into its target, every pair checked first (ValueError naming the path in ``out``), as if every
-    source were read before anything is written. ``find_step``: look for the one-buffer step (a StaticBatch, which
-    holds it, has tried it)."""
+    source were read before anything is written."""
+    non_blocking, dtype, coalesce, max_bytes, find_step = how
     if not sources:  # no tensor to copy: out as it is
         return
     step = _step.step_for(targets, max_bytes) if find_step and dtype is None and coalesce is not False else None

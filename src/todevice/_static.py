@@ -91,6 +91,7 @@ class StaticBatch:
         self.static = static
         self._skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
         self._options = options
+        self._copying = _into.Copying(non_blocking, dtype, None, _options.COALESCE_MAX_BYTES, find_step=False)
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
         self._targets = _into.paired(static, static, self._skip)[1]
         _into.check_targets(self._targets, static)
@@ -112,8 +113,7 @@ class StaticBatch:
             ValueError: as ``move(batch, out=static)`` raises, naming the path, with nothing written;
                 or the static tensors were changed behind the handle.
         """
-        non_blocking, dtype, strict, _ = self._options
-        if strict:
+        if self._options[2]:  # strict
             _passed.refuse_unknown(batch, self._skip)
         step, tried = self._step, False
         if step is not None:
@@ -130,8 +130,7 @@ class StaticBatch:
         if not same and sorted(map(id, targets)) != sorted(map(id, self._targets)):  # not the same ones in any order
             self._changed("it holds other tensors than those it was built on")
         if tried or not (same and step is not None and self._fed(step, sources)):  # the step reads them in order
-            max_bytes = _options.COALESCE_MAX_BYTES
-            _into.copy(sources, targets, self.static, None, non_blocking, dtype, None, max_bytes, find_step=False)
+            _into.copy(sources, targets, self.static, None, self._copying)
         return self.static
 
     def _same(self, targets: Any) -> bool:
@@ -152,7 +151,7 @@ class StaticBatch:
 
     def _fed(self, step: _step.Step, sources: list[torch.Tensor]) -> bool:
         """The one-buffer step, with the staging buffer the handle holds for host targets."""
-        if _step.fed(step, sources, self._options[0], self._held):
+        if _step.fed(step, sources, self._copying.non_blocking, self._held):
             return True
         if self._held is not None and any(region.requires_grad for _, region in self._held[2]):
             self._held = self._staging()  # a source requiring grad made its regions part of a graph
