@@ -379,12 +379,8 @@ def _check_pairs(
 
 
 def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
-    return _Read(
-        list(map(shape_of, targets)),
-        list(map(dtype_of, targets)),
-        list(map(is_cpu, sources)),
-        list(map(nbytes_of, sources)),
-    )
+    shapes, dtypes = list(map(shape_of, targets)), list(map(dtype_of, targets))
+    return _Read(shapes, dtypes, list(map(is_cpu, sources)), list(map(nbytes_of, sources)))
 
 
 def _writable(targets: list[torch.Tensor]) -> bool:

@@ -474,13 +474,10 @@ _SLOTS = tuple(map(_tree.Slot, range(4096)))
 NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  # a "keep" that says no, in C
 _SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
 # Tensor attributes, each read for many tensors in one C loop with map() (here, and by _into and _step).
-data_ptr, is_cpu, requires_grad = _Tensor.data_ptr, operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
-dtype_of, shape_of, device_of = (
-    operator.attrgetter("dtype"),
-    operator.attrgetter("shape"),
-    operator.attrgetter("device"),
+data_ptr = _Tensor.data_ptr
+is_cpu, requires_grad, dtype_of, shape_of, device_of, nbytes_of, layout_of = map(
+    operator.attrgetter, ("is_cpu", "requires_grad", "dtype", "shape", "device", "nbytes", "layout")
 )
-nbytes_of, layout_of = operator.attrgetter("nbytes"), operator.attrgetter("layout")
 
 
 class _Taking:
