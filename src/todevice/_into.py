@@ -66,8 +66,7 @@ def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tenso
 
 
 class Copying(NamedTuple):
-    """out='s options for ``copy``; ``find_step``: look for the one-buffer step (a StaticBatch, which holds it, has
-    tried it)."""
+    """``copy``'s options; ``find_step``: look for the one-buffer step (a StaticBatch, which holds it, has tried it)."""
 
     non_blocking: bool
     dtype: torch.dtype | None
@@ -90,8 +89,7 @@ def copy(
     read = _check_pairs(sources, targets, out, dev, dtype)
     spans = apart(targets, out)
     if spans and not (all(read.on_host) and not any(map(is_cpu, targets))):  # host to device: nothing shared
-        # Each source over a target is copied first, as if every source were read before anything is written (a
-        # swap, a rolling buffer).
+        # Each source over a target is copied first (a swap, a rolling buffer).
         starts = [start for start, _, _ in spans]
         reach = list(itertools.accumulate([end for _, end, _ in spans], max))  # the furthest a target up to here ends
         sources = list(sources)

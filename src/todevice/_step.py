@@ -158,10 +158,7 @@ def _one_span(targets: list[torch.Tensor], lay: _layout.Layout, coalesce: bool) 
 
 def _span(targets: list[torch.Tensor], lay: _layout.Layout) -> torch.Tensor | None:
     """A byte view of the one buffer all ``targets`` are views of, each a plain contiguous tensor where ``lay`` puts it
-    from one base inside the first one's storage; or None. The alignment padding between them (under
-    ``_layout.ALIGN`` bytes each) may be another tensor's, the targets being columns of a larger one: one copy of the
-    whole span is made only where the layout has none (``_layout.tight``) or the buffer was made for the targets
-    alone (``todevice.static()``)."""
+    from one base inside the first one's storage; or None. Its padding may be another tensor's (``Step.whole``)."""
     first = targets[0]
     offsets = _offsets(lay)
     base = first.storage_offset() * first.element_size() - offsets[0]
