@@ -49,10 +49,6 @@ def _as_it_is(x: Any, s: Any) -> Any:
     return x
 
 
-def _none(x: Any) -> None:
-    return None
-
-
 class Walk(NamedTuple):
     """A walk that rebuilds a structure, made by ``make``: ``walk(x, state)``, and the same on a stack."""
 
@@ -325,15 +321,15 @@ def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> 
 
 
 def every_node(
-    obj: Any, skip: frozenset[Any], root: Link, views_of: Callable[[Any], Any] = _none, views: Any = None
+    obj: Any, skip: frozenset[Any], root: Link, views_of: Callable[[Any], Any] | None = None, views: Any = None
 ) -> Iterator[tuple[Link, Any, Any]]:
     """Each (link, node, views) of ``obj`` at every place, a packed batch's skeleton looked into: its nodes come with
-    ``views_of(batch)`` (what fills its slots), ``root`` is the link of ``obj`` itself, ``views`` what fills its own."""
+    ``views_of(batch)`` (what fills its slots, where given), ``root`` is the link of ``obj``, ``views`` fill its own."""
     for link, node in _nodes(obj, True, skip, root):
         yield link, node, views
         skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.PACKED else None
         if skeleton is not None:
-            yield from every_node(skeleton, skip, link, views_of, views_of(node))
+            yield from every_node(skeleton, skip, link, views_of, views_of(node) if views_of else None)
 
 
 def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
