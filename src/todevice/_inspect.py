@@ -234,12 +234,8 @@ def _split(name: str, module: nn.Module) -> Iterator[Finding]:
         split.setdefault(t.device, []).append(prefix + n)
     if len(split) > 1:
         where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
-        yield Finding(
-            name,
-            "split-devices",
-            f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({where}). "
-            f"Move the module whole with module.to(device).",
-        )
+        msg = f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({where}). "
+        yield Finding(name, "split-devices", msg + "Move the module whole with module.to(device).")
 
 
 # ---------------------------------------------------------------- guard()
