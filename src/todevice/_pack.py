@@ -125,9 +125,7 @@ class PackedBatch(_tree.Packed):
         requires_grad: tuple[int, ...],
         loose: int = 0,
     ) -> None:
-        self.buffer = buffer
-        self.layout = layout
-        self.skeleton = skeleton
+        self.buffer, self.layout, self.skeleton = buffer, layout, skeleton
         self.requires_grad = requires_grad  # slots whose tensor required grad
         self.loose = loose  # tensors and .to() objects left in the skeleton (large, sparse, subclasses, ...)
 
@@ -162,12 +160,9 @@ class PackedBatch(_tree.Packed):
             # Only for names the instance and its class lack. Protocols probe private and dunder names (__setstate__
             # while unpickling, _repr_html_, _fields): those stay the plain error. The rest is an AttributeError too, so
             # hasattr(), getattr(..., default) and the DataLoader's probes read it as a missing attribute.
-            if name.startswith("_"):
-                err = AttributeError(f"'PackedBatch' object has no attribute {name!r}")
-            else:
-                err = PackedBatchAttributeError(
-                    f"'PackedBatch' object has no attribute {name!r}: {_unpack_first(self)}"
-                )
+            private = name.startswith("_")
+            cls, why = (AttributeError, "") if private else (PackedBatchAttributeError, f": {_unpack_first(self)}")
+            err = cls(f"'PackedBatch' object has no attribute {name!r}{why}")
             err.name, err.obj = name, self  # what Python's "Did you mean ...?" hint reads
             raise err
 

@@ -30,7 +30,6 @@ from todevice._objects import (  # re-exported: the kinds are _tree's words to e
     _IN_ATTRIBUTES as _IN_ATTRIBUTES,
     _NO_KEY as _NO_KEY,
     ATOM as ATOM,
-    ATTRIBUTES as ATTRIBUTES,
     MODULE as MODULE,
     NODE as NODE,
     PACKED as PACKED,
@@ -414,17 +413,13 @@ def _deferred_unflatten(d: Deferred, children: list[Any]) -> Any:
     return reg.unflatten(d.aux, children)  # type: ignore[misc]
 
 
-def _deferred_entry(d: Deferred, i: int) -> str:
-    return _registered_entry(d.aux, i)
-
-
 def _deferred_keys(d: Deferred) -> list[Any]:  # a registered mapping's keys, as its flatten found them when packed
     return list(d.aux[2]) if len(d.aux) > 2 else [_NO_KEY] * len(d.children)
 
 
-_DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, _deferred_entry, _deferred_keys)
-_DEFERRED_MAPPING = Kind(
-    NODE, _deferred_flatten, lambda d, ch: _mapping_from(d.cls, d.aux[1], ch), _deferred_entry, lambda d: d.aux[1]
+_DEFERRED = Kind(NODE, _deferred_flatten, _deferred_unflatten, lambda d, i: _registered_entry(d.aux, i), _deferred_keys)
+_DEFERRED_MAPPING = _DEFERRED._replace(
+    unflatten=lambda d, ch: _mapping_from(d.cls, d.aux[1], ch), keys=lambda d: d.aux[1]
 )
 _OWN = types.MappingProxyType(
     {Slot: Kind(SLOT), AliasSlot: Kind(SLOT), Deferred: _DEFERRED, DeferredMapping: _DEFERRED_MAPPING}
