@@ -41,7 +41,7 @@ def moved_on(batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stre
     """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
     s = _move.State(_move.plan_for(dev, non_blocking, None, skip_keys=skip))
-    out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
+    out, _ = _move._on_stream(batch, s, side)
     copied = torch.Event(device=dev)
     copied.record(side)  # everything queued on side so far
     return s.finish(out), s.outputs(), copied
