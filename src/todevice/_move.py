@@ -194,9 +194,8 @@ def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
 
 
 class State:
-    """One memo walk's own: its copies (``sources``, ``results``), the tensors and objects met (``seen``, ``memo``,
-    which keep them alive so ids and addresses stay theirs), the copies an optimistic walk made (``made``, by id), and
-    the views that fill slots."""
+    """One memo walk's own: its copies (``sources``, ``results``), the tensors and objects met (``seen``, ``memo``: kept
+    alive, so ids and addresses stay theirs), an optimistic walk's copies (``made``, by id), the slots' views."""
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
@@ -228,8 +227,7 @@ class State:
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def know_taken(self) -> None:
-        """The taken tensors made known to the memo with their views, once: before a copy made outside the walk (a
-        mapping's own .to()) may meet them."""
+        """The taken tensors made known to the memo with their views, once: before a mapping's own .to() meets them."""
         taken, self.taken = self.taken, None
         for t, view in zip(taken or (), self.views or ()):
             self.once(t, view)
@@ -259,8 +257,7 @@ def _order(t: torch.Tensor, s: State) -> None:
 
 
 def _host(obj: Any, p: Plan, walk: _walk.Walk, coalesce: bool | None, max_bytes: int) -> Any:
-    """A move to the host: the optimistic walk, then the memo one where needed, coalesced unless ``coalesce`` is
-    False."""
+    """A move to the host: the optimistic walk, then the memo one where needed; coalesced unless coalesce=False."""
     rec: list[torch.Tensor] = []  # source, copy, source, copy, ...
     try:
         out = walk.walk(obj, rec)
@@ -288,8 +285,7 @@ def walk_again(obj: Any, p: Plan, rec: list[torch.Tensor] | None = None) -> Any:
 
 
 def _walked(x: Any, s: State, original: Any, views: Callable[[], list[torch.Tensor]] | None = None) -> Any:
-    """The memo walk over ``x`` (a skeleton whose slots ``views()`` fill, if given); errors and warnings name paths in
-    ``original``."""
+    """The memo walk over ``x`` (a skeleton whose slots ``views()`` fill, if given), naming paths in ``original``."""
     try:
         if views is not None:  # x: the taken tensors (a _layout.Taken)
             taken, x = x, x.skeleton
