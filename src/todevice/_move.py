@@ -216,7 +216,7 @@ class State:
         self.results: list[torch.Tensor] = []
         self.seen = _walk.Seen()
         self.memo: dict[int, tuple[Any, Any]] = {}
-        self.made = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
+        self.made: dict[int, torch.Tensor] = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
         self.left: list[tuple[Any, tuple[str, str]]] = []  # objects passed through that leave tensors behind, warned of
         self.waits: set[torch.device] = set()  # devices a move to the host waits for, beyond its sources'
