@@ -22,8 +22,8 @@ from todevice import _into, _layout, _move, _stream
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = False) -> Any:
     """move()'s walk, and the state it left (its memo, its outputs)."""
     p = _move.plan_for(device, True, dtype)
-    state = _move.State(p)
-    out = _move._batch(tree, state, coalesce, _move.COALESCE_MAX_BYTES)
+    state = _move.State(p, None, coalesce)
+    out = _move._batch(tree, state)
     return out, state
 
 

@@ -40,8 +40,8 @@ def packed_tensors(tree: Any) -> list[torch.Tensor]:
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = True) -> Any:
     """move()'s walk, and the state it left (its outputs)."""
     p = _move.plan_for(device, True, dtype)
-    state = _move.State(p)
-    out = _move._batch(tree, state, coalesce, _move.COALESCE_MAX_BYTES)
+    state = _move.State(p, None, coalesce)
+    out = _move._batch(tree, state)
     return out, state
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -31,17 +32,14 @@ def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Te
 
 # default_collate's rules, with plain stacking for tensors: same values and types, no shared memory.
 _worker_collate_map = {**default_collate_fn_map, torch.Tensor: _stack}
-
-
-def _default_collate_for_packing(batch: Any) -> Any:
-    return _collate(batch, collate_fn_map=_worker_collate_map)
+_default_collate_for_packing = functools.partial(_collate, collate_fn_map=_worker_collate_map)
 
 
 def moved_on(batch: Any, dev: torch.device, non_blocking: bool, side: torch.Stream, skip: frozenset[Any]) -> _Moved:
     """``batch`` moved with copies on ``side``; the outputs and an event after them. Nothing is handed over yet: the
     consumer's stream waits for the event when the batch is used, so later copies overlap earlier work."""
     s = _move.State(_move.plan_for(dev, non_blocking, None, skip_keys=skip))
-    out, _ = _move._on_stream(batch, s, side, None, _options.COALESCE_MAX_BYTES)
+    out, _ = _move._on_stream(batch, s, side)
     copied = torch.Event(device=dev)
     copied.record(side)  # everything queued on side so far
     return s.finish(out), s.outputs(), copied
@@ -190,11 +188,10 @@ class prefetch(Generic[B]):  # named like a function: it wraps an iterable in a 
 def _window(
     source: Iterator[Any], depth: int, start: _Step, finish: _Step, abandon: Callable[[], None]
 ) -> Iterator[Any]:
-    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead. A batch is handed
-    over first and the next one is started after, when the loop asks again: by then the loop has let go of the batch
-    before. So at most ``depth`` batches are in flight beyond the one in use. An exception from ``source`` reaches the
-    loop once the batches before it have been handed over. ``abandon`` runs when the loop stops early with batches still
-    in flight."""
+    """``finish(start(b))`` for each ``b`` of ``source``, with up to ``depth`` batches started ahead: the next one when
+    the loop asks again, after the batch before is handed over and let go, so at most ``depth`` are in flight beyond
+    the one in use. An exception from ``source`` reaches the loop after the batches before it; ``abandon`` runs when
+    the loop stops early with batches in flight."""
     pending: collections.deque[Any] = collections.deque()
     failed: BaseException | None = None  # raised once the batches before it have been used
 

@@ -194,9 +194,8 @@ def _copied(t: torch.Tensor, s: State) -> torch.Tensor:
 
 
 class State:
-    """One memo walk's own: its copies (``sources``, ``results``), the tensors and objects met (``seen``, ``memo``,
-    which keep them alive so ids and addresses stay theirs), the copies an optimistic walk made (``made``, by id), and
-    the views that fill slots."""
+    """One memo walk's own: its copies (``sources``, ``results``), the tensors and objects met (``seen``, ``memo``: kept
+    alive, so ids and addresses stay theirs), an optimistic walk's copies (``made``, by id), the slots' views."""
 
     views: list[torch.Tensor] | None = None  # the packed tensors, while the walk fills a skeleton
     aliases: dict[int, tuple[Any, torch.Tensor]] | None = None  # the views AliasSlots got, set with ``views``
@@ -207,13 +206,17 @@ class State:
     planned = False  # whether the batch's plan (_layout.sending) decided what is staged: then no tensor is on its own
     taken: list[torch.Tensor] | None = None  # the tensors behind ``views``, until know_taken() needs them
 
-    def __init__(self, p: Plan, rec: list[torch.Tensor] | None = None) -> None:  # rec: an optimistic walk's copies
+    def __init__(  # rec: an optimistic walk's copies (sources and copies); coalesce and max_bytes: move()'s
+        self, p: Plan, rec: list[Any] | None = None, coalesce: bool | None = None, max_bytes: int = COALESCE_MAX_BYTES
+    ) -> None:
         self.plan = p
+        self.coalesce = coalesce
+        self.max_bytes = max_bytes
         self.sources: list[torch.Tensor] = []
         self.results: list[torch.Tensor] = []
         self.seen = _walk.Seen()
         self.memo: dict[int, tuple[Any, Any]] = {}
-        self.made = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
+        self.made: dict[int, torch.Tensor] = dict(zip(map(id, rec[-2::-2]), rec[::-2])) if rec else {}
         self.buffers: list[torch.Tensor] = []  # what coalescing made on the target, which views point into
         self.left: list[tuple[Any, tuple[str, str]]] = []  # objects passed through that leave tensors behind, warned of
         self.waits: set[torch.device] = set()  # devices a move to the host waits for, beyond its sources'
@@ -224,8 +227,7 @@ class State:
         return list({id(out): out for out in outs}.values())  # once each, whatever recorded it
 
     def know_taken(self) -> None:
-        """The taken tensors made known to the memo with their views, once: before a copy made outside the walk (a
-        mapping's own .to()) may meet them."""
+        """The taken tensors made known to the memo with their views, once: before a mapping's own .to() meets them."""
         taken, self.taken = self.taken, None
         for t, view in zip(taken or (), self.views or ()):
             self.once(t, view)
@@ -254,8 +256,8 @@ def _order(t: torch.Tensor, s: State) -> None:
         s.ordered = True
 
 
-def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> Any:
-    """A move to the host: the optimistic walk, then the memo one where needed, or coalesced (``gather``)."""
+def _host(obj: Any, p: Plan, walk: _walk.Walk, coalesce: bool | None, max_bytes: int) -> Any:
+    """A move to the host: the optimistic walk, then the memo one where needed; coalesced unless coalesce=False."""
     rec: list[torch.Tensor] = []  # source, copy, source, copy, ...
     try:
         out = walk.walk(obj, rec)
@@ -263,13 +265,11 @@ def _host(obj: Any, p: Plan, walk: _walk.Walk, gather: bool, max_bytes: int) -> 
         _walk.explain(failure, obj, p.dev, skip=p.skip)
     except _Gather:
         # Plain dicts, lists and tuples of device tensors: one look, one copy.
-        out = _back.brought(obj, max_bytes) if gather and not p.skip and p.dtype is None else None
+        out = _back.brought(obj, max_bytes) if coalesce is not False and not p.skip and p.dtype is None else None
         if out is not None:
             return out
-        if gather:
-            s = State(p, rec)
-            return s.finish(_batch(obj, s, True, max_bytes))
-        return walk_again(obj, p, rec)
+        s = State(p, rec, coalesce, max_bytes)  # coalesce=False: _batch walks it again, tensor by tensor
+        return s.finish(_batch(obj, s))
     except (_NeedsMemo, RecursionError):  # an object the memo walk moves, or deep nesting
         return walk_again(obj, p, rec)
     if len(rec) > 2 and not _layout.distinct(rec[::2]):  # a tensor met twice, or two over one memory
@@ -285,8 +285,7 @@ def walk_again(obj: Any, p: Plan, rec: list[torch.Tensor] | None = None) -> Any:
 
 
 def _walked(x: Any, s: State, original: Any, views: Callable[[], list[torch.Tensor]] | None = None) -> Any:
-    """The memo walk over ``x`` (a skeleton whose slots ``views()`` fill, if given); errors and warnings name paths in
-    ``original``."""
+    """The memo walk over ``x`` (a skeleton whose slots ``views()`` fill, if given), naming paths in ``original``."""
     try:
         if views is not None:  # x: the taken tensors (a _layout.Taken)
             taken, x = x, x.skeleton
@@ -522,7 +521,7 @@ def move(
     return (  # type: ignore[no-any-return]  # 5. the walks: to the host, the optimistic one first; else the memo walk
         _general(obj, p, coalesce, coalesce_max_bytes, stream, strict)
         if walk is None
-        else _host(obj, p, walk, coalesce is not False, coalesce_max_bytes)
+        else _host(obj, p, walk, coalesce, coalesce_max_bytes)
     )
 
 
@@ -541,25 +540,25 @@ def _general(obj: Any, p: Plan, coalesce: bool | None, max_bytes: int, stream: A
     """The memo walk, coalesced as planned, on ``stream`` if given (the optimistic host walk is ``_host``)."""
     if strict:
         _passed.refuse_unknown(obj, p.skip)
-    s = State(p)
+    s = State(p, None, coalesce, max_bytes)
     stream = _stream.issuing(stream, p.dev)
     if stream is None:
-        out = _batch(obj, s, coalesce, max_bytes)
+        out = _batch(obj, s)
     else:
-        out, user = _on_stream(obj, s, stream, coalesce, max_bytes)
+        out, user = _on_stream(obj, s, stream)
         _stream.hand_over(stream, user, s.outputs())
     return s.finish(out)
 
 
-def _batch(obj: Any, s: State, coalesce: bool | None, max_bytes: int) -> Any:
+def _batch(obj: Any, s: State) -> Any:
     """A structure moved: its small tensors taken out, gathered back to the CPU or sent, and the skeleton walked with
     its slots filled; or walked tensor by tensor (a deep or cyclic ``obj`` too)."""
-    p = s.plan
+    p, coalesce = s.plan, s.coalesce
     gather = p.gathers and coalesce is not False
     taken = None
     if gather or p.sends or coalesce:
         try:
-            taken = _layout.take(obj, p.takes, max_bytes, p.dtype)
+            taken = _layout.take(obj, p.takes, s.max_bytes, p.dtype)
         except RecursionError:
             pass  # the walk handles or reports it
         except LeafError as failure:
@@ -610,14 +609,12 @@ def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Ten
     return _layout.read(buffer, lay, p.dtype, made=s.buffers)
 
 
-def _on_stream(
-    obj: Any, s: State, stream: torch.Stream, coalesce: bool | None, max_bytes: int
-) -> tuple[Any, torch.Stream]:
+def _on_stream(obj: Any, s: State, stream: torch.Stream) -> tuple[Any, torch.Stream]:
     """``obj`` moved with its copies issued on ``stream``; the result, and the user's stream (current again)."""
     entered = _stream.enter_stream(stream, s.plan.dev)
     s.streams = (entered.user, stream)
     try:
-        out = _back.gate(obj, s.plan, coalesce, s) if s.plan.sends and not coalesce else None
-        return (_batch(obj, s, coalesce, max_bytes) if out is None else out), entered.user
+        out = _back.gate(obj, s.plan, s.coalesce, s) if s.plan.sends and not s.coalesce else None
+        return (_batch(obj, s) if out is None else out), entered.user
     finally:
         _stream.leave_stream(entered)

@@ -157,12 +157,9 @@ def compiled(
 
 def _problem(*options: Any) -> tuple[str, str]:
     """What ``_options.check`` says of move()'s options but the stream (which dynamo cannot pass in as a constant):
-    ``("", "")``, or the name and message of its error, which the graph raises.
-
-    Dynamo runs this as plain Python and keeps its result as a constant (the mark below), so it never traces torch's
-    parsing of a device string, which fails inside dynamo itself. Where the call is run as plain Python instead, and
-    dynamo compiles this frame on its own, the check it calls is one dynamo leaves alone.
-    """
+    ``("", "")``, or the name and message of its error, which the graph raises. Dynamo runs this as plain Python and
+    keeps its result as a constant (the mark below), so it never traces torch's parsing of a device string, which fails
+    inside dynamo itself; where dynamo compiles this frame on its own instead, the check it calls is left alone."""
     device, non_blocking, dtype, coalesce, max_bytes, strict, skip_keys = options
     check = torch.compiler.disable(_options.check)  # type: ignore[no-untyped-call]
     try:
@@ -193,7 +190,7 @@ class _How:
     def __init__(self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
         self.dev, self.nb, self.dtype, self.skip = dev, nb, dtype, skip
         # The one walk, as the eager move makes it, with this move's leaves and dynamo's view of the kinds.
-        self.walk = _walk.make(_never, _tensor, _leaf, _kind, _slot, skip, _kept).walk
+        self.walk = _walk.make(_layout.NEVER, _tensor, _leaf, _kind, _slot, skip, _kept).walk  # _one says what stays
         self.copies: dict[torch.Tensor, torch.Tensor] = {}
         self.memo: list[tuple[Any, Any]] = []
         self.views: list[torch.Tensor] | None = None  # a packed batch's tensors, while its skeleton is walked
@@ -201,10 +198,6 @@ class _How:
         self.held: _How | None = None  # with ``views`` and keys to skip: how the skipped items are filled
         self.unknown = False  # whether an object that strict=True refuses was met
         self.fresh = False  # in a batch packed under torch.compile: every tensor copied, as if read from a buffer
-
-
-def _never(t: torch.Tensor) -> bool:  # the walk's keep: whether a tensor stays is the copy's to say (``_one``)
-    return False
 
 
 def _tensor(t: torch.Tensor, h: _How) -> torch.Tensor:
@@ -220,10 +213,7 @@ def _one(t: torch.Tensor, h: _How) -> torch.Tensor:
     ``id()`` of a tensor made in the graph)."""
     cast = _options.cast_to(t.dtype, h.dtype)
     if h.fresh:  # a copy, never the packed tensor itself; one that required grad, a new leaf
-        out = t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True)
-        if t.requires_grad:
-            out.requires_grad_()
-        return out
+        return t.detach().to(h.dev, cast, non_blocking=h.nb, copy=True).requires_grad_(t.requires_grad)
     if t.device == h.dev and cast == t.dtype:
         return t
     return t.to(h.dev, cast, non_blocking=h.nb)
@@ -265,12 +255,10 @@ def _kind(tp: type) -> _tree.Kind:
 
 def _form(tp: type) -> int:
     """Where ``_FORMS`` holds what the walk under torch.compile does with ``tp``: its kind's code for a leaf, the form
-    its rule names for a container, or NODE for a container taken by its own rule.
-
-    Dynamo runs it while tracing and puts its result in the graph as a constant (the mark below is what
-    ``torch.compiler.assume_constant_result`` sets, without importing dynamo here): the classification it makes is
-    not traced, so an unknown leaf, a numpy value or a path does not break the graph. It guards on ``type(x)``.
-    """
+    its rule names for a container, or NODE for a container taken by its own rule. Dynamo runs it while tracing and
+    puts its result in the graph as a constant (the mark below is what ``torch.compiler.assume_constant_result`` sets,
+    without importing dynamo here): the classification is not traced, so an unknown leaf, a numpy value or a path does
+    not break the graph. It guards on ``type(x)``."""
     kind = _tree.kind_of(tp)
     return kind.form if kind.code == _tree.NODE else kind.code
 
@@ -407,14 +395,11 @@ NOTHING_PACKED = _layout.Layout((), 0, (), ())
 
 
 def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
-    """``PackedBatch.unpack()`` under torch.compile: its tensors moved one by one.
-
-    A batch packed under torch.compile packed nothing: writing tensors of several dtypes into one
-    byte buffer is an input mutation that inductor refuses, and the copies are the compiler's to
-    schedule anyway. So its skeleton holds the tensors themselves, and unpacking copies each (those
-    that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch
-    packed outside is read as views of its buffer, which fill its slots.
-    """
+    """``PackedBatch.unpack()`` under torch.compile: its tensors moved one by one. A batch packed under torch.compile
+    packed nothing (writing tensors of several dtypes into one byte buffer is an input mutation that inductor refuses,
+    and the copies are the compiler's to schedule anyway): its skeleton holds the tensors, which unpacking copies (those
+    that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch packed outside is
+    read as views of its buffer, which fill its slots."""
     dev = _target(device)
     return _unpacked(batch, _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), None, frozenset()))
 
@@ -427,9 +412,8 @@ def _unpacked(batch: Any, h: _How) -> Any:
     lay = batch.layout
     outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
     if not lay.order:
-        # Packed under torch.compile, its tensors are those of the structure packed; the eager unpack
-        # gives copies (read from the buffer), which this one gives too. Packed outside with every
-        # tensor left loose, they come back as they are, as the eager unpack gives them.
+        # Packed under torch.compile, its tensors are the structure's own: copied, as the eager unpack reads copies out
+        # of the buffer. Packed outside with every tensor left loose, they come back as they are, as eagerly.
         h.fresh = lay is NOTHING_PACKED
     else:
         read = _layout.read(batch.buffer, lay)
