@@ -372,18 +372,15 @@ def _to_object(x: Any, h: _How) -> Any:
         if not LISTS_ATTRIBUTES:
             torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
         target = _walk.copy_for_to(x)
-    named: dict[str, Any] = {}
+    named: dict[str, Any] = {"non_blocking": h.nb} if _tree.to_takes(tp, "non_blocking") else {}  # eager's order
     floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
     if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
         named["dtype"] = h.dtype
-    if _tree.to_takes(tp, "non_blocking"):
-        named["non_blocking"] = h.nb
     out = target.to(h.dev, **named)
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
-    if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
+    _walk.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
     return out
 
 
