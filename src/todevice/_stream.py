@@ -24,9 +24,7 @@ def _backend(device_type: str) -> types.ModuleType | None:
 
 
 # The calls _Backend forwards to the module, by torch.accelerator's names; the module's name where it differs.
-_RENAMED = types.MappingProxyType(
-    {"current_device_index": "current_device", "set_device_index": "set_device", "device_index": "device"}
-)
+_RENAMED = {"current_device_index": "current_device", "set_device_index": "set_device", "device_index": "device"}
 _CALLS = frozenset({"device_count", "current_stream", "set_stream", "synchronize", *_RENAMED})
 
 
