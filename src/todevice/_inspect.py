@@ -19,7 +19,9 @@ SHOWN = 8  # paths listed per device in a message; the rest are counted
 _Tensor = torch.Tensor
 
 
-def _tensors(obj: Any, prefix: str = "", within: dict[int, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(
+    obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name. An
     object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (views of
     its buffer fill its skeleton's slots). ``within`` holds the ``.to()`` objects being looked into, by id, with their
@@ -30,28 +32,26 @@ def _tensors(obj: Any, prefix: str = "", within: dict[int, str] | None = None) -
             yield f"{prefix}{sep}{name}", t
         return
     try:
-        for path, node, views in _walk.every_node(obj, frozenset(), prefix, _views):
+        for path, node in _walk.paths(obj, revisit=True):
             if isinstance(node, torch.Tensor):
-                yield path, node
+                yield prefix + path, node
             elif views is not None and isinstance(node, _tree.Slot):
-                yield path, views[node]
+                yield prefix + path, views[node]
+            elif isinstance(node, PackedBatch):
+                yield from _tensors(node.skeleton, prefix + path, _layout.read(node.buffer, node.layout))
             elif isinstance(node, nn.Module):
-                yield from _tensors(node, path)
+                yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:
                 within = {} if within is None else within
                 first = within.get(id(node))
                 if first is not None:
-                    raise _walk.CycleError(first, path, node)
-                within[id(node)] = path
+                    raise _walk.CycleError(first, prefix + path, node)
+                within[id(node)] = prefix + path
                 for part, inner in _walk.inside(node):
-                    yield from _tensors(inner, path + part, within)
+                    yield from _tensors(inner, prefix + path + part, within=within)
                 del within[id(node)]
     except _walk.CycleError as cycle:
         raise ValueError(_walk.cycle_message(cycle, "inspect")) from None
-
-
-def _views(packed: PackedBatch) -> list[torch.Tensor]:
-    return _layout.read(packed.buffer, packed.layout)
 
 
 def devices(obj: Any, /) -> dict[str, torch.device]:

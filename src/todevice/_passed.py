@@ -9,7 +9,7 @@ import io
 import itertools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ def warn_left_behind(found: list[tuple[Any, tuple[str, str]]], original: Any, sk
     wanted = {id(obj) for obj, _ in found}
     where: dict[int, list[str]] = {}
     with contextlib.suppress(Exception):  # a container that cannot list what it holds: the places found before it
-        for link, node, _ in _walk.every_node(original, skip, None):
+        for link, node in _every_node(original, skip, None):
             if id(node) in wanted:
                 where.setdefault(id(node), []).append(_walk.format_path(_walk._joined(link)))
     kinds: dict[tuple[str, str], list[str]] = {}
@@ -64,6 +64,16 @@ def warn_left_behind(found: list[tuple[Any, tuple[str, str]]], original: Any, sk
         at = f" at {', '.join(places[:3])}{more}" if places else ""
         msg = f"move() passed {what}{at} through as it is: {why}, or pass strict=True to make this an error."
         warnings.warn(msg, errors.TensorsLeftBehindWarning, stacklevel=_callers_level())
+
+
+def _every_node(obj: Any, skip: frozenset[Any], root: Any) -> Iterator[tuple[Any, Any]]:
+    """Each (link, node) of ``obj`` at every place, a packed batch's skeleton looked into (what moves itself and holds
+    one), ``root`` the link of ``obj`` itself."""
+    for link, node in _walk._nodes(obj, True, skip, root):
+        yield link, node
+        skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.PACKED else None
+        if skeleton is not None:
+            yield from _every_node(skeleton, skip, link)
 
 
 def _callers_level() -> int:

@@ -23,14 +23,13 @@ def _backend(device_type: str) -> types.ModuleType | None:
     return mod if isinstance(mod, types.ModuleType) else None
 
 
-# The calls _Backend forwards to the module, by torch.accelerator's names; the module's name where it differs.
-_RENAMED = {"current_device_index": "current_device", "set_device_index": "set_device", "device_index": "device"}
-_CALLS = frozenset({"device_count", "current_stream", "set_stream", "synchronize", *_RENAMED})
-
-
 class _Backend:
     """The calls of ``torch.accelerator`` that todevice makes, for torch before 2.8 (``torch.accelerator`` came in 2.6,
     ``device_index`` in 2.8): made on ``torch.cuda``, else ``torch.xpu``, whichever is available."""
+
+    # The calls forwarded to the module, by torch.accelerator's names; the module's name where it differs.
+    _RENAMED = {"current_device_index": "current_device", "set_device_index": "set_device", "device_index": "device"}
+    _CALLS = {"device_count", "current_stream", "set_stream", "synchronize", *_RENAMED}
 
     @staticmethod
     def _module() -> Any:
@@ -47,9 +46,9 @@ class _Backend:
         return torch.device(self._module().__name__.rpartition(".")[2])
 
     def __getattr__(self, name: str) -> Any:
-        if name not in _CALLS:
+        if name not in self._CALLS:
             raise AttributeError(name)
-        return getattr(self._module(), _RENAMED.get(name, name))
+        return getattr(self._module(), self._RENAMED.get(name, name))
 
 
 # torch.accelerator where it has every call todevice makes (torch 2.8 and later), else the same calls on the backend.

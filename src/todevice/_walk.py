@@ -320,18 +320,6 @@ def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> 
                 stack.append((link + entry if text else (link, entry), children[j], False))
 
 
-def every_node(
-    obj: Any, skip: frozenset[Any], root: Link, views_of: Callable[[Any], Any] | None = None, views: Any = None
-) -> Iterator[tuple[Link, Any, Any]]:
-    """Each (link, node, views) of ``obj`` at every place, a packed batch's skeleton looked into: its nodes come with
-    ``views_of(batch)`` (what fills its slots, where given), ``root`` is the link of ``obj``, ``views`` fill its own."""
-    for link, node in _nodes(obj, True, skip, root):
-        yield link, node, views
-        skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.PACKED else None
-        if skeleton is not None:
-            yield from every_node(skeleton, skip, link, views_of, views_of(node) if views_of else None)
-
-
 def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str | None:
     """The first path at which ``target`` (by identity) sits inside ``obj``, outside the items skipped."""
     # Not found: a cycle, nesting too deep, or a container that cannot list what it holds (past the target if there).
@@ -504,9 +492,7 @@ def rest_of_mapping(
     one, kept): a tensor held twice stays one. A tensor its ``.to()`` left, or copied otherwise, is its own choice,
     kept, never standing for the source elsewhere. An item under ``skip``'s keys is put back as ``obj`` holds it.
     Written with ``out[key] = ...``: an item ``out`` refuses stays as its ``.to()`` left it; an ``out`` that is not a
-    mutable mapping, or of an ``obj`` that is no mapping (``_tree.to_mapping``), is left as it is."""
-    if not _tree.to_mapping(type(obj)):
-        return out
+    mutable mapping is left as it is."""
     items = _items(out)
     if items is out and not isinstance(out, collections.abc.MutableMapping):
         return out
