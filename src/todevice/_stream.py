@@ -23,13 +23,14 @@ def _backend(device_type: str) -> types.ModuleType | None:
     return mod if isinstance(mod, types.ModuleType) else None
 
 
+def _forwarded(name: str) -> Any:
+    """A method of ``_Backend`` that makes the call ``name`` on its module."""
+    return lambda self, *args: getattr(self._module(), name)(*args)
+
+
 class _Backend:
     """The calls of ``torch.accelerator`` that todevice makes, for torch before 2.8 (``torch.accelerator`` came in 2.6,
     ``device_index`` in 2.8): made on ``torch.cuda``, else ``torch.xpu``, whichever is available."""
-
-    # The calls forwarded to the module, by torch.accelerator's names; the module's name where it differs.
-    _RENAMED = {"current_device_index": "current_device", "set_device_index": "set_device", "device_index": "device"}
-    _CALLS = {"device_count", "current_stream", "set_stream", "synchronize", *_RENAMED}
 
     @staticmethod
     def _module() -> Any:
@@ -45,10 +46,13 @@ class _Backend:
     def current_accelerator(self) -> torch.device:
         return torch.device(self._module().__name__.rpartition(".")[2])
 
-    def __getattr__(self, name: str) -> Any:
-        if name not in self._CALLS:
-            raise AttributeError(name)
-        return getattr(self._module(), self._RENAMED.get(name, name))
+    device_count = _forwarded("device_count")
+    current_device_index = _forwarded("current_device")
+    set_device_index = _forwarded("set_device")
+    device_index = _forwarded("device")
+    current_stream = _forwarded("current_stream")
+    set_stream = _forwarded("set_stream")
+    synchronize = _forwarded("synchronize")
 
 
 # torch.accelerator where it has every call todevice makes (torch 2.8 and later), else the same calls on the backend.
