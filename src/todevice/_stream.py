@@ -25,7 +25,7 @@ def _backend(device_type: str) -> types.ModuleType | None:
 
 def _forwarded(name: str) -> Any:
     """A method of ``_Backend`` that makes the call ``name`` on its module."""
-    return lambda self, *args: getattr(self._module(), name)(*args)
+    return lambda self, *args, **kwargs: getattr(self._module(), name)(*args, **kwargs)
 
 
 class _Backend:

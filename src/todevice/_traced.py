@@ -380,7 +380,8 @@ def _to_object(x: Any, h: _How) -> Any:
     if out is None:  # a .to() that moves the object in place and returns nothing
         out = target
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
-    _walk.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
+    if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
+        _walk.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
     return out
 
 
