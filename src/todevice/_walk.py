@@ -18,12 +18,12 @@ from todevice import _stream, _tree
 from todevice._options import cast_to, casts
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
+_Tensor = torch.Tensor
 
 
 class LeafError(Exception):
-    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path. A failure inside an
-    object the walk hands to its own move (a packed batch) is one of that object: the path inside it in ``inner``, the
-    failing leaf in ``shown``."""
+    """Internal: the leaf or node whose move failed, for the caller to add its path. A failure inside an object moved
+    on its own (a packed batch) is that object's: the path inside it in ``inner``, the failing leaf in ``shown``."""
 
     def __init__(self, leaf: Any, err: BaseException, inner: str = "", shown: Any = None) -> None:
         super().__init__()
@@ -180,10 +180,9 @@ _PUSHED: Any = object()  # walk_iteratively's enter(): a frame was pushed, no le
 
 
 class Seen:
-    """The one record of the tensors a walk has met, read by the memo walk, the careful take and staging: each under
-    its address (``where``), so that one met again is found, and so is a distinct tensor over the same memory read the
-    same way (``tied``: tied weights), whose result may be a view of the first one's. The tensors are held, so their
-    ids and addresses stay theirs while the record lives."""
+    """The tensors a walk has met (for the memo walk, the careful take and staging), under their address (``where``):
+    one met again is found, and so is another over the same memory read the same way (``tied``: tied weights), whose
+    result may be a view of the first one's. Held, so their ids and addresses stay theirs while the record lives."""
 
     __slots__ = ("at",)
 
@@ -191,8 +190,7 @@ class Seen:
         self.at: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 
     def find(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, bool] | None:
-        """(the tensor met, what was kept with it, whether it is ``t`` itself) for ``t`` met before, else for the
-        first tensor tied to it; None where neither was met."""
+        """(tensor met, its value with it, whether it is ``t``) for ``t``, else for the first tied to it, or None."""
         entries = self.at.get(where(t))
         if entries:
             for u, v in entries:
@@ -208,8 +206,7 @@ class Seen:
 
 
 def where(t: torch.Tensor) -> int:
-    """A tensor's key in ``Seen``: its address, or, for one with none (meta, empty, sparse, a wrapper subclass), the
-    complement of its id, which no address is."""
+    """A tensor's key in ``Seen``: its address, or where it has none (meta, empty, sparse, a wrapper) ``~id``, none."""
     try:
         ptr = t.data_ptr()
     except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
@@ -218,9 +215,8 @@ def where(t: torch.Tensor) -> int:
 
 
 def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two plain tensors at one address read that memory the very same way, so one result serves both: same
-    dtype, device, shape and strides (any stride for a dimension of size 1), conjugate and negative bits. Never tensors
-    requiring grad: a shared result would route one's gradient through the other."""
+    """Whether two plain tensors at one address read it the same way (dtype, device, shape, strides but of size-1
+    dimensions, conj and neg bits), so one result serves both; never with grad, which it would route through both."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.requires_grad or b.requires_grad:
         return False
     if a.dtype != b.dtype or a.device != b.device or a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
@@ -234,8 +230,7 @@ def _slot_leaf(leaf: Callable[[Any, int, Any], Any], x: Any, s: Any) -> Any:
 
 
 def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozenset[Any] = frozenset()) -> None:
-    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end (not under ``skip``'s
-    keys, whose items are not walked)."""
+    """After ``err``: ValueError if ``x`` contains itself (outside ``skip``'s items), whose walk would never end."""
     try:
         collections.deque(_nodes(x, False, skip), maxlen=0)  # no path built: linear in depth
     except CycleError as cycle:
@@ -261,9 +256,8 @@ class CycleError(Exception):
 
 
 def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """Every (path, object) pair below ``obj``, depth first, without recursion, but a mapping's items under ``skip``'s
-    keys. A container reached again is listed once, or at each place with ``revisit``; one that contains itself raises
-    ``CycleError`` with the path of the repeat."""
+    """Every (path, object) below ``obj``, depth first, without recursion, but items under ``skip``'s keys; one reached
+    again listed once (each time with ``revisit``); one containing itself raises ``CycleError`` at the repeat."""
     return _nodes(obj, revisit, skip, "")
 
 
@@ -280,9 +274,8 @@ def _joined(link: Link) -> str:
 
 
 def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> Iterator[tuple[Link, Any]]:
-    """``paths``' walk, each node with its link. From a string ``root``, path strings, built as each node is reached
-    (as long as the nesting is deep); else (parent link, entry) links, joined only where a path is named (a cycle, or
-    the node looked for)."""
+    """``paths``' walk with links: from a string ``root``, paths built as each node is reached (as long as it is deep);
+    else (parent link, entry) links, joined only where a path is named (a cycle, or the node looked for)."""
     text = isinstance(root, str)
     name: Callable[[Link], str] = str if text else _joined
     stack: list[tuple[Link, Any, bool]] = [(root, obj, False)]
@@ -323,8 +316,8 @@ def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> 
 def every_node(
     obj: Any, skip: frozenset[Any], root: Link, views_of: Callable[[Any], Any] | None = None, views: Any = None
 ) -> Iterator[tuple[Link, Any, Any]]:
-    """Each (link, node, views) of ``obj`` at every place, a packed batch's skeleton looked into: its nodes come with
-    ``views_of(batch)`` (what fills its slots, where given), ``root`` is the link of ``obj``, ``views`` fill its own."""
+    """Each (link, node, views) of ``obj`` at every place (``root``: its link) and inside a packed batch's skeleton,
+    whose nodes come with ``views_of(batch)`` (what fills its slots, where given); ``views`` fill ``obj``'s own."""
     for link, node in _nodes(obj, True, skip, root):
         yield link, node, views
         skeleton = getattr(node, "skeleton", None) if _tree.kind_of(type(node)).code == _tree.PACKED else None
@@ -340,6 +333,121 @@ def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str 
             if node is target:
                 return _joined(link)
     return None
+
+
+class _Mismatch(Exception):
+    """Internal: the batch and ``out`` differ here, as its argument says; the path grows as it leaves each container."""
+
+    path = ""
+
+
+def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``pairs`` as (sources, targets); two flat dicts of tensors in a C loop each."""
+    if not skip and (flat := _flat_pairs(batch, out)) is not None:
+        return flat
+    found = pairs(batch, out, skip)
+    return found[0::2], found[1::2]
+
+
+def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The sources and targets of two plain dicts with the same keys and only tensors, in a C loop each; else None."""
+    if type(batch) is not dict or type(out) is not dict or len(batch) != len(out) or not batch:
+        return None
+    try:
+        targets = [out[k] for k in batch]
+    except (KeyError, TypeError):  # a key out has not, or an unhashable one: pairs() names it
+        return None
+    sources = list(batch.values())
+    return (sources, targets) if set(map(type, sources)) == set(map(type, targets)) == {_Tensor} else None
+
+
+def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order;
+    ValueError naming the first path where the structures differ."""
+    found: list[torch.Tensor] = []
+    try:
+        _pair(batch, out, found, skip)
+    except _Mismatch as m:
+        msg = f"Cannot copy into out: at {format_path(m.path)}, {m.args[0]} Nothing was copied."
+        raise ValueError(msg) from None
+    except RecursionError:
+        msg = "Cannot copy into out: the batch is nested deeper than Python's recursion limit, or contains itself."
+        raise ValueError(msg) from None
+    except LeafError as failure:  # a container that cannot list what it holds, on either side
+        explain(failure, batch, None, verb="copy into out:", also=out, skip=skip)
+    return found
+
+
+def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
+    kind = _tree.kind_of(type(a))
+    code = kind.code
+    if code == _tree.TENSOR:
+        if not isinstance(b, torch.Tensor):
+            raise _Mismatch(f"out holds {describe(b)} where the batch has a {describe(a)}.")
+        found += (a, b)
+    elif code == _tree.NODE:
+        _pair_children(a, b, found, skip, kind)
+    elif code in (_tree.TO, _tree.PACKED):
+        why = "an object with its own .to()" if code == _tree.TO else "a PackedBatch (unpack it first)"
+        raise _Mismatch(
+            f"the batch holds {describe(a)}, {why}, whose tensors out= cannot pair with out's. "
+            f"Register its type with todevice.register(), or pass skip_keys."
+        )
+    elif _tree.kind_of(type(b)).code in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
+        raise _Mismatch(f"out holds {describe(b)} where the batch has {describe(a)}.")
+
+
+def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any], kind: _tree.Kind) -> None:
+    """A container's children, paired with ``b``'s by its kind's rule: a list's and a tuple's by position, any other's
+    by a mapping item's key or else by path entry (``.field``, ``[2]``); items under ``skip``'s keys may be absent."""
+    if type(b) is not type(a):
+        raise _Mismatch(f"out holds a {type(b).__qualname__} where the batch has a {type(a).__qualname__}.")
+    if isinstance(a, (set, frozenset)):
+        raise _Mismatch("the batch holds a set, whose items have no order to pair them by.")
+    assert kind.flatten is not None and kind.entry is not None
+    children, aux = guarded(a, kind.flatten, a)
+    theirs, their_aux = guarded(b, kind.flatten, b)
+    positional = type(a) is list or type(a) is tuple
+    if (positional or kind.keys is None) and len(theirs) != len(children):
+        raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
+    if not positional and not skip and kind.keys is not None:
+        # The very same key objects on both sides, in the same order, and every child an item: they pair by position.
+        # Equal keys that are other objects pair by ``_labels``, as a dict would find them.
+        ids = list(map(id, kind.keys(aux)))
+        positional = ids == list(map(id, kind.keys(their_aux))) and id(_tree._NO_KEY) not in ids
+    if positional:
+        paired: Any = zip(range(len(children)), children, theirs)
+    else:
+        mine = _labels(kind, aux, len(children), skip)
+        wanted = [label for label in mine if label is not None]
+        offered = {k: w for k, w in zip(_labels(kind, their_aux, len(theirs), skip), theirs) if k is not None}
+        absent = [label for label in wanted if label not in offered]
+        if absent or len(wanted) != len(offered):
+            known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
+            missing, extra = [label[1] for label in absent], [label[1] for label in offered if label not in known]
+            what = "the keys differ: " if any(label[0] == "key" for label in (*wanted, *offered)) else ""
+            raise _Mismatch(
+                f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
+            )
+        paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
+    for i, v, w in paired:
+        if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
+            found += (v, w)
+            continue
+        try:
+            _pair(v, w, found, skip)
+        except _Mismatch as m:
+            m.path = kind.entry(aux, i) + m.path
+            raise
+
+
+def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any] | None]:
+    """What pairs each child: a mapping's item its key, anything else its path entry; None under a key in ``skip``."""
+    keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
+    return [
+        ("entry", kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else ("key", k)  # type: ignore[misc]
+        for i, k in enumerate(keys)
+    ]
 
 
 def cycle_message(err: CycleError, verb: str = "move") -> str:
@@ -414,11 +522,10 @@ _JUST_TENSORS = frozenset({torch.Tensor})
 
 
 def copy_for_to(obj: Any) -> Any:
-    """What ``obj``'s own ``.to()`` is called on: a copy, so that a ``.to()`` that works in place leaves ``obj`` alone.
-    ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is its word), the plain dicts and
-    lists its attributes hold, at any depth, are copied too: a ``.to()`` that writes ``self.data[k] = ...`` writes into
-    the copy's. Anything else is shared. One that cannot be copied (``copy.copy`` raises, or recurses without end near
-    the top of the stack) is returned as it is."""
+    """What ``obj``'s own ``.to()`` is called on: a copy, so that one that works in place leaves ``obj`` alone. Where
+    the class has no ``__copy__`` (whose copy is its word), the plain dicts and lists its attributes hold are copied
+    too, at any depth, for a ``.to()`` that writes ``self.data[k] = ...``; all else is shared. One ``copy.copy``
+    cannot copy (it raises, or recurses without end near the top of the stack) is returned as it is."""
     tp = type(obj)
     if tp in _PURE_TO:
         return obj
@@ -497,14 +604,12 @@ def rest_of_mapping(
     dev: torch.device,
     dtype: torch.dtype | None,
 ) -> Any:
-    """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be; returns ``out``.
-    Such a ``.to()`` (a BatchEncoding's) moves only what has a ``.to()``: a container item is moved by ``move_item``.
-    Each tensor its ``.to()`` copied as move() would (to ``dev``, cast to ``dtype`` where move() casts) goes to
-    ``once(source, copy)``, which answers with the move's one copy of that source (one made elsewhere before, or this
-    one, kept): a tensor held twice stays one. A tensor its ``.to()`` left, or copied otherwise, is its own choice,
-    kept, never standing for the source elsewhere. An item under ``skip``'s keys is put back as ``obj`` holds it.
-    Written with ``out[key] = ...``: an item ``out`` refuses stays as its ``.to()`` left it; an ``out`` that is not a
-    mutable mapping, or of an ``obj`` that is no mapping (``_tree.to_mapping``), is left as it is."""
+    """``out``, a mapping its own ``.to()`` moved (a BatchEncoding's, which moves only what has a ``.to()``), finished
+    as move()'s walk would: a container item moved by ``move_item``; each tensor its ``.to()`` copied as move() would
+    (to ``dev``, cast as move() casts) given to ``once(source, copy)``, which answers with the move's one copy of that
+    source, so a tensor held twice stays one; one it left or copied otherwise kept, never standing for the source
+    elsewhere; an item under ``skip``'s keys put back as ``obj`` holds it. Written with ``out[key] = ...``: an item
+    ``out`` refuses stays; an ``out`` not a mutable mapping, or of an ``obj`` no mapping (``_tree.to_mapping``), too."""
     if not _tree.to_mapping(type(obj)):
         return out
     items = _items(out)
@@ -549,8 +654,8 @@ def _items(m: Any) -> Any:
 
 
 def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torch.dtype | None) -> bool:
-    """Whether ``out`` is a copy of ``t`` as move() makes one: on ``dev`` (any index of its type where it names none,
-    as under torch.compile), cast to ``dtype`` where move() casts."""
+    """Whether ``out`` is ``t`` copied as move() does: on ``dev`` (any index where it names none, as under
+    torch.compile), cast to ``dtype`` as move() casts."""
     if out is t or out.dtype is not cast_to(t.dtype, dtype):  # dtypes are singletons
         return False
     on = out.device
@@ -558,10 +663,9 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
 
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
-    """``obj`` moved by its own ``.to()``, on a copy where it can be copied (``copy_for_to``); raises ``LeafError``.
-    With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as ``inside`` shows), its ``.to()``
-    gets ``dtype=`` too, as ``nn.Module.to`` does (a TypeError where it takes none, rather than leave them uncast); one
-    that holds none is moved without it, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
+    """``obj`` moved by its own ``.to()``, on a copy where it can be (``copy_for_to``); raises ``LeafError``. Where it
+    holds floating-point or complex tensors (as ``inside`` shows), its ``.to()`` gets ``dtype=`` too, as
+    ``nn.Module.to`` does (TypeError where it takes none); else not, so its integer tensors keep their dtype."""
     tp = type(obj)
     casts: dict[str, torch.dtype] = {}
     if dtype is not None and _holds_floating(obj):
