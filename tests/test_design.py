@@ -256,7 +256,7 @@ TAKES_PLAIN_CONTAINERS_APART = {
     "_back._only_plain": "the way back's look: the three kinds alone",
     "_back._rebuilt": "the way back's rebuild: the three kinds alone",
     "_walk._flat_pairs": "out='s pairing of two flat dicts of tensors (tests/test_paths.py, tests/test_into.py)",
-    "_walk._pair_children": "out='s pairing by each kind's rule; a list's or tuple's children by position, no labels",
+    "_walk._pair": "out='s pairing by each kind's rule; a list's or tuple's children by position, no labels",
     "_static.StaticBatch._build": "a StaticBatch's flat case: a plain dict's keys, read once",
     "_static.StaticBatch._sources": "a StaticBatch's flat case: a dict's tensors by those keys (tests/test_static.py)",
     "_walk.copy_for_to": "no batch walk: copies an object's own attribute dicts before its .to() writes them",

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import functools
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
@@ -65,12 +66,11 @@ def make(
     skip: frozenset[Any] = frozenset(),
     held: Callable[[Any, Any], Any] = _as_it_is,
 ) -> Walk:
-    """The walk that rebuilds a structure: every container anew, every leaf through these functions. ``keep(t)``,
-    called for every tensor (so a C callable where it can be: ``attrgetter("is_cpu")``), says whether it comes back as
-    it is; ``tensor(t, state)`` gives what replaces the others, ``leaf(x, code, state)`` what replaces any other leaf
-    but an atom, by its ``_tree`` code, and ``slot(x, state)`` a packed batch's slot, inline like a tensor (by
-    default, ``leaf`` does). ``state`` is one call's own: the functions are made once and shared by every call. A
-    mapping's item under a key in ``skip`` comes back as ``held(item, state)`` gives it (as it is)."""
+    """The walk that rebuilds a structure: every container anew, each leaf through these. ``keep(t)``, called for every
+    tensor (a C callable where it can be: ``attrgetter("is_cpu")``), says whether it comes back as it is; the others
+    become ``tensor(t, state)``, any other leaf but an atom ``leaf(x, code, state)`` (by its ``_tree`` code), a packed
+    batch's slot ``slot(x, state)``, inline like a tensor (by default ``leaf``), and a mapping's item under a key in
+    ``skip`` ``held(item, state)`` (itself). ``state`` is one call's own: the functions are made once, for all calls."""
     # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
     if slot is None:
@@ -180,9 +180,8 @@ _PUSHED: Any = object()  # walk_iteratively's enter(): a frame was pushed, no le
 
 
 class Seen:
-    """The tensors a walk has met (for the memo walk, the careful take and staging), under their address (``where``):
-    one met again is found, and so is another over the same memory read the same way (``tied``: tied weights), whose
-    result may be a view of the first one's. Held, so their ids and addresses stay theirs while the record lives."""
+    """The tensors a walk has met, under their address (``where``): one met again is found, and so is another over the
+    same memory read the same way (``tied``: tied weights). Held, so their ids and addresses stay theirs meanwhile."""
 
     __slots__ = ("at",)
 
@@ -342,11 +341,8 @@ class _Mismatch(Exception):
 
 
 def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """``pairs`` as (sources, targets); two flat dicts of tensors in a C loop each."""
-    if not skip and (flat := _flat_pairs(batch, out)) is not None:
-        return flat
-    found = pairs(batch, out, skip)
-    return found[0::2], found[1::2]
+    """``pairs``; two flat dicts of tensors in a C loop each."""
+    return (None if skip else _flat_pairs(batch, out)) or pairs(batch, out, skip)
 
 
 def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
@@ -361,9 +357,8 @@ def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Te
     return (sources, targets) if set(map(type, sources)) == set(map(type, targets)) == {_Tensor} else None
 
 
-def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torch.Tensor]:
-    """Every tensor of ``batch`` and the tensor at its path in ``out``: source, target, source, ... in walk order;
-    ValueError naming the first path where the structures differ."""
+def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors of ``batch`` and ``out`` paired by path, in walk order; ValueError naming the first that differs."""
     found: list[torch.Tensor] = []
     try:
         _pair(batch, out, found, skip)
@@ -375,31 +370,29 @@ def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> list[torc
         raise ValueError(msg) from None
     except LeafError as failure:  # a container that cannot list what it holds, on either side
         explain(failure, batch, None, verb="copy into out:", also=out, skip=skip)
-    return found
+    return found[0::2], found[1::2]
 
 
 def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
+    """``a`` paired with ``b``, a container's children by its kind's rule: a list's and a tuple's by position, any
+    other's by a mapping item's key, else by path entry (``.field``, ``[2]``); under ``skip``'s keys, on either side."""
     kind = _tree.kind_of(type(a))
     code = kind.code
     if code == _tree.TENSOR:
         if not isinstance(b, torch.Tensor):
             raise _Mismatch(f"out holds {describe(b)} where the batch has a {describe(a)}.")
         found += (a, b)
-    elif code == _tree.NODE:
-        _pair_children(a, b, found, skip, kind)
-    elif code in (_tree.TO, _tree.PACKED):
+        return
+    if code in (_tree.TO, _tree.PACKED):
         why = "an object with its own .to()" if code == _tree.TO else "a PackedBatch (unpack it first)"
         raise _Mismatch(
             f"the batch holds {describe(a)}, {why}, whose tensors out= cannot pair with out's. "
             f"Register its type with todevice.register(), or pass skip_keys."
         )
-    elif _tree.kind_of(type(b)).code in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
-        raise _Mismatch(f"out holds {describe(b)} where the batch has {describe(a)}.")
-
-
-def _pair_children(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any], kind: _tree.Kind) -> None:
-    """A container's children, paired with ``b``'s by its kind's rule: a list's and a tuple's by position, any other's
-    by a mapping item's key or else by path entry (``.field``, ``[2]``); items under ``skip``'s keys may be absent."""
+    if code != _tree.NODE:
+        if _tree.kind_of(type(b)).code in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
+            raise _Mismatch(f"out holds {describe(b)} where the batch has {describe(a)}.")
+        return
     if type(b) is not type(a):
         raise _Mismatch(f"out holds a {type(b).__qualname__} where the batch has a {type(a).__qualname__}.")
     if isinstance(a, (set, frozenset)):
@@ -534,7 +527,7 @@ def copy_for_to(obj: Any) -> Any:
         if target is obj:  # a singleton, or a class whose __reduce__ names a global: no copy to work on
             return obj
     except RecursionError:
-        if _depth() > sys.getrecursionlimit() // 2:
+        if sum(1 for _ in traceback.walk_stack(sys._getframe())) > sys.getrecursionlimit() // 2:
             raise  # deep nesting: the walk falls back to one with a stack, which calls this again near its top
         return obj  # a copy whose __getattr__ reads an attribute the copy lacks: not copyable, as below
     except Exception:
@@ -558,15 +551,6 @@ def copy_for_to(obj: Any) -> Any:
     if any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
         _copy_plain_containers(state)
     return target
-
-
-def _depth() -> int:
-    """How many frames the caller's stack holds."""
-    frame: Any = sys._getframe(1)
-    n = 0
-    while frame is not None:
-        frame, n = frame.f_back, n + 1
-    return n
 
 
 def _state(obj: Any) -> Any:
@@ -638,10 +622,8 @@ def rest_of_mapping(
                 if new is not value:
                     changes.append((key, new))
     for key, value in changes:
-        try:
+        with contextlib.suppress(Exception):  # a mapping that validates what it is given: it stays as its .to() left it
             out[key] = value
-        except Exception:  # a mapping that validates what it is given: that item stays as its .to() left it
-            continue
     return out
 
 
@@ -663,9 +645,9 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
 
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
-    """``obj`` moved by its own ``.to()``, on a copy where it can be (``copy_for_to``); raises ``LeafError``. Where it
-    holds floating-point or complex tensors (as ``inside`` shows), its ``.to()`` gets ``dtype=`` too, as
-    ``nn.Module.to`` does (TypeError where it takes none); else not, so its integer tensors keep their dtype."""
+    """``obj`` moved by its own ``.to()``, on a copy (``copy_for_to``); raises ``LeafError``. Where it holds floating or
+    complex tensors (``inside``), ``dtype=`` too, as ``nn.Module.to`` (a TypeError where it takes none, rather than
+    leave them uncast); else not, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
     tp = type(obj)
     casts: dict[str, torch.dtype] = {}
     if dtype is not None and _holds_floating(obj):
@@ -701,9 +683,8 @@ def _holds_floating(obj: Any) -> bool:
 
 
 def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
-    """The accelerators whose memory an object with ``.to()`` holds, as far as ``inside`` shows, a few levels deep.
-    Where none is seen, every device the process has a context on: never every device, since synchronizing one
-    creates a CUDA context there (about 0.5 GiB)."""
+    """The accelerators an object with ``.to()`` holds memory on (``inside``, a few levels deep); none seen, those with
+    a context: never every device, since synchronizing one creates a CUDA context there (about 0.5 GiB)."""
     found: set[torch.device] = set()
 
     def look(x: Any, depth: int) -> None:
