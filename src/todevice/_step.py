@@ -4,7 +4,8 @@ coalescing lays it out, in one staging write and one copy.
 ``move(batch, out=static)`` finds on each call whether its targets are laid out so (``step_for``); a
 StaticBatch finds it once and keeps it. The step (``fed``) reads each source's type and dtype and the shape
 of a few, and leaves the rest to the writes into the staging buffer, which refuse a wrong shape, device or
-layout, or a tensor requiring grad, before a target is written; the caller then runs the full check.
+layout, or a tensor requiring grad, before a target is written; the caller then runs the full check
+(``checked``: each pair, named by its path in ``out``, then memory the targets share).
 """
 
 from __future__ import annotations
