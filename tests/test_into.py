@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
 from tests import helpers
-from todevice import _into, _layout, _step
+from todevice import _layout, _step, _walk
 
 
 def batch(seed: int, n: int = 100) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def batch(seed: int, n: int = 100) -> dict[str, Any]:
 
 def leaves(tree: Any) -> list[torch.Tensor]:
     """The tensors of ``tree`` in walk order."""
-    return _into.pairs(tree, tree)[::2]
+    return _walk.pairs(tree, tree)[0]
 
 
 class Copies(TorchDispatchMode):
@@ -429,7 +429,7 @@ def flat_inputs(seed: int) -> dict[str, torch.Tensor]:
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which of out='s checks run, in order: "one buffer" (the few reads of the common step) and "full"."""
     ran: list[str] = []
-    for module, name, label in ((_step, "step_for", "one buffer"), (_into, "_check_pairs", "full")):
+    for module, name, label in ((_step, "step_for", "one buffer"), (_step, "_check_pairs", "full")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
     return ran
@@ -651,15 +651,14 @@ def test_the_flat_case_pairs_as_the_walk_s_rule_pairs(shape: dict[str, int], rnd
     if drop and keys:
         keys.pop()
     out = {k: torch.zeros(2) for k in keys}
-    flat = _into._flat_pairs(batch, out)
+    flat = _walk._flat_pairs(batch, out)
     try:
-        general = _into.pairs(batch, out)
+        general = _walk.pairs(batch, out)
     except ValueError as err:
         assert flat is None and "keys differ" in str(err)
         return
     if flat is not None:
-        sources, targets = flat
-        assert [id(t) for t in general] == [id(t) for pair in zip(sources, targets) for t in pair]
+        assert [list(map(id, side)) for side in general] == [list(map(id, side)) for side in flat]
 
 
 @pytest.mark.parametrize(

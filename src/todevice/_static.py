@@ -93,8 +93,8 @@ class StaticBatch:
         self._options = options
         self._copying = _into.Copying(non_blocking, dtype, None, _options.COALESCE_MAX_BYTES, find_step=False)
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
-        self._targets = _into.paired(static, static, self._skip)[1]
-        _into.check_targets(self._targets, static)
+        self._targets = _walk.paired(static, static, self._skip)[1]
+        _step.check_targets(self._targets, static)
         step = _step.step_for(self._targets, _options.COALESCE_MAX_BYTES, owned) if dtype is None else None
         if step is not None and not step.inference:  # marked written each step: those the write through the span
             before = [t._version for t in step.targets]  # does not mark, found by marking the span once
@@ -125,7 +125,7 @@ class StaticBatch:
                 if self._fed(step, sources):
                     return self.static
                 tried = True
-        sources, targets = _into.paired(batch, self.static, self._skip)
+        sources, targets = _walk.paired(batch, self.static, self._skip)
         same = self._same(targets)
         if not same and sorted(map(id, targets)) != sorted(map(id, self._targets)):  # not the same ones in any order
             self._changed("it holds other tensors than those it was built on")

@@ -4,19 +4,22 @@ coalescing lays it out, in one staging write and one copy.
 ``move(batch, out=static)`` finds on each call whether its targets are laid out so (``step_for``); a
 StaticBatch finds it once and keeps it. The step (``fed``) reads each source's type and dtype and the shape
 of a few, and leaves the rest to the writes into the staging buffer, which refuse a wrong shape, device or
-layout, or a tensor requiring grad, before a target is written; the caller then runs the full check.
+layout, or a tensor requiring grad, before a target is written; the caller then runs the full check
+(``checked``: each pair, named by its path in ``out``, then memory the targets share).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
-from typing import Any, NamedTuple
+import itertools
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from todevice import _layout, _tree
-from todevice._layout import data_ptr, dtype_of, is_cpu, nbytes_of, pick, requires_grad, shape_of
+from todevice import _layout, _options, _tree, _walk
+from todevice._layout import data_ptr, device_of, dtype_of, is_cpu, layout_of, nbytes_of, pick, requires_grad, shape_of
 
 _Tensor = torch.Tensor
 
@@ -190,3 +193,203 @@ def _offsets(lay: _layout.Layout) -> tuple[int, ...]:
     """The byte offset of each tensor, in walk order, in a buffer laid out by ``lay``: read off a meta buffer."""
     views = _layout.read(torch.empty(lay.nbytes, dtype=torch.uint8, device="meta"), lay)
     return tuple(int(v.storage_offset()) * v.element_size() for v in views)
+
+
+# ---------------------------------------------------------------- out='s checks of every pair, before a copy
+
+
+def checked(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
+) -> tuple[list[torch.Tensor], _Read]:
+    """Every pair checked (``_check_pairs``, then ``apart``), and each source over a target copied first (a swap, a
+    rolling buffer), so that the copies read it as it was."""
+    read = _check_pairs(sources, targets, out, dev, dtype)
+    spans = apart(targets, out)
+    if spans and not (all(read.on_host) and not any(map(is_cpu, targets))):  # host to device: nothing shared
+        starts = [start for start, _, _ in spans]
+        reach = list(itertools.accumulate([end for _, end, _ in spans], max))  # the furthest a target up to here ends
+        sources = list(sources)
+        for start, end, i in _spans(sources, once=False):  # every place a source is read from
+            k = bisect.bisect_left(starts, end) - 1  # the last target starting before this source ends
+            if k >= 0 and reach[k] > start:
+                sources[i] = sources[i].clone()
+    return sources, read
+
+
+def _path(out: Any, t: torch.Tensor) -> str:
+    return _walk.format_path(_walk.find_path(out, t) or "")
+
+
+def _refuse(out: Any, dst: torch.Tensor, why: str) -> NoReturn:
+    msg = f"Cannot copy into out: at {_path(out, dst)}, {why} Nothing was copied."
+    raise ValueError(msg)
+
+
+# ---------------------------------------------------------------- memory shared between the two sides
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to the end of its last one."""
+    if t.is_contiguous():
+        return int(t.nbytes)
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)) * t.element_size()
+
+
+def _spans(tensors: list[torch.Tensor], once: bool = True) -> list[tuple[int, int, int]]:
+    """(start, end, index) of each tensor with memory (distinct ones with ``once``), sorted; meta and empty: none."""
+    seen: set[int] = set()
+    found = []
+    for i, (t, ptr) in enumerate(zip(tensors, map(data_ptr, tensors))):
+        if ptr and not (once and id(t) in seen) and (n := _extent(t)):
+            seen.add(id(t))
+            found.append((ptr, ptr + n, i))
+    return sorted(found)
+
+
+_EXACT_MAX = 1 << 22  # elements: past this, two strided targets whose ranges cross are taken to share memory
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte ranges cross have an element in common (interleaved columns have none)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    size = a.element_size()
+    if size != b.element_size() or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True  # not one storage read as one dtype: not told apart here
+    first, second = int(a.storage_offset()), int(b.storage_offset())
+    lo, hi = min(first, second), max(first + _extent(a) // size, second + _extent(b) // size)
+    if hi - lo > _EXACT_MAX:
+        return True
+    offsets = torch.arange(hi - lo)
+    mine = offsets.as_strided(a.shape, a.stride(), first - lo).flatten()
+    theirs = offsets.as_strided(b.shape, b.stride(), second - lo).flatten()
+    return bool(torch.isin(mine, theirs).any())
+
+
+def apart(targets: list[torch.Tensor], out: Any) -> list[tuple[int, int, int]]:
+    """The targets' ``_spans``; ValueError, naming both paths, where two targets share memory, since one would be
+    written over the other."""
+    spans = _spans(targets)
+    active: list[tuple[int, int]] = []  # (end, index) of the targets whose range reaches the next start
+    for start, end, i in spans:
+        active = [(e, k) for e, k in active if e > start]
+        for _, k in active:
+            if _share_elements(targets[i], targets[k]):
+                why = f"out's tensor shares memory with the one at {_path(out, targets[k])}, so one would be written"
+                _refuse(out, targets[i], f"{why} over the other. Give each its own memory.")
+        active.append((end, i))
+    return spans
+
+
+class _Read(NamedTuple):
+    """What the check read of every pair, each in one C loop, for the copies to use again."""
+
+    shapes: list[torch.Size]  # the targets' (and, checked, the sources')
+    dtypes: list[torch.dtype]  # the targets'
+    on_host: list[bool]  # the sources'
+    nbytes: list[int]  # the sources'
+
+
+def _check_pairs(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], out: Any, dev: torch.device | None, dtype: Any
+) -> _Read:
+    """Raise ValueError, naming the path in ``out``, for the first pair that cannot be copied; nothing is written. Each
+    property is read in one C loop; the pair at fault is looked for, pair by pair, only when there is one."""
+    read: _Read | None = None
+    try:
+        read = _read(sources, targets)
+        same_shapes = read.shapes == list(map(shape_of, sources))
+    except RuntimeError:  # a strided nested tensor has no shape: no dense tensor to copy
+        same_shapes = False
+    if (
+        read is not None
+        and dtype is None
+        and same_shapes
+        and read.dtypes == list(map(dtype_of, sources))
+        and set(map(layout_of, sources)) == {torch.strided}  # a sparse or jagged source: no dense tensor either
+        and not _tree.transforming()  # nor, inside torch.func.vmap or grad, a wrapper with no memory of its own
+        and (dev is None or set(map(device_of, targets)) == {dev})
+        and (all(read.on_host) or not any(t.is_meta for t in sources))
+        and not (torch.is_grad_enabled() and any(map(requires_grad, sources)))
+        and len(set(map(id, targets))) == len(targets)
+        and _writable(targets)
+    ):
+        return read
+    seen: dict[int, torch.Tensor] = {}
+    for src, dst in zip(sources, targets):
+        why = None
+        expected = _options.cast_to(src.dtype, dtype)
+        if not _tree.has_memory(src):  # before the shape, which a strided nested tensor has not
+            why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
+        elif (fault := _target_fault(dst)) is not None:
+            why = fault
+        elif dst.shape != src.shape:
+            why = f"out's tensor has shape {tuple(dst.shape)} and the batch's {tuple(src.shape)}."
+        elif dst.dtype != expected:
+            cast = f" (cast to {dtype})" if expected is not src.dtype else ""
+            why = f"out's tensor is {dst.dtype} and the batch's is {expected}{cast}."
+        elif dev is not None and dst.device != dev:
+            why = f"out's tensor is on {dst.device}, not on {dev}, the device asked for."
+        elif src.is_meta or src.layout is not torch.strided:
+            why = f"the batch holds a {_walk.describe(src)}, which out= does not copy (dense tensors with data only)."
+        elif src.requires_grad and torch.is_grad_enabled():
+            why = "the batch's tensor requires grad, and autograd does not record a copy into out=: pass it detached."
+        elif seen.setdefault(id(dst), src) is not src:
+            why = "out holds this very tensor at two places where the batch holds two different tensors."
+        if why is not None:
+            _refuse(out, dst, why)
+    return read or _read(sources, targets)
+
+
+def _read(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> _Read:
+    shapes, dtypes = list(map(shape_of, targets)), list(map(dtype_of, targets))
+    return _Read(shapes, dtypes, list(map(is_cpu, sources)), list(map(nbytes_of, sources)))
+
+
+def _writable(targets: list[torch.Tensor]) -> bool:
+    """Whether ``copy_`` can write every target: dense, no element twice, and not an inference tensor here."""
+    return (
+        set(map(layout_of, targets)) == {torch.strided}
+        and (torch.is_inference_mode_enabled() or not any(map(_Tensor.is_inference, targets)))
+        and (all(map(_Tensor.is_contiguous, targets)) or not any(map(_overlaps_itself, targets)))
+    )
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:  # an expanded view: one element at several places
+    return bool(torch._debug_has_internal_overlap(t) == 1)
+
+
+def _target_fault(dst: torch.Tensor) -> str | None:
+    """Why ``copy_`` cannot write ``dst`` here, or None."""
+    if not _tree.has_memory(dst):
+        return f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is not a dense tensor."
+    if _writable([dst]):
+        return None
+    return (
+        f"out's tensor ({_walk.describe(dst)}) cannot be written in place: it is sparse, an expanded "
+        f"view whose elements share memory, or an inference tensor outside torch.inference_mode()."
+    )
+
+
+def check_targets(targets: list[torch.Tensor], out: Any) -> None:
+    """What out= checks of its targets alone, each named by its path in ``out`` in a ValueError: each can be written
+    in place here, and no two share memory."""
+    for dst in targets:
+        if (why := _target_fault(dst)) is not None:
+            _refuse(out, dst, why)
+    apart(targets, out)
+
+
+def _alone(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+    """One copy: a large pageable host tensor through pinned memory, anything else as ``copy_`` does it; into host
+    memory it has landed when move() returns."""
+    dev = dst.device
+    if not (
+        _layout.staged_alone(src, _layout.stages(non_blocking, dev))
+        and dst.is_contiguous()
+        and _layout.stageable(src)
+        and _layout.send_staged([(src, dst)])
+    ):
+        dst.copy_(src, non_blocking=_layout.asynchronous(non_blocking, dev, src, waited=False))

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import functools
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, NoReturn
 
@@ -18,12 +19,12 @@ from todevice import _stream, _tree
 from todevice._options import cast_to, casts
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
+_Tensor = torch.Tensor
 
 
 class LeafError(Exception):
-    """Internal: carries the leaf or node whose move failed up to the caller, which adds the path. A failure inside an
-    object the walk hands to its own move (a packed batch) is one of that object: the path inside it in ``inner``, the
-    failing leaf in ``shown``."""
+    """Internal: the leaf or node whose move failed, for the caller to add its path. A failure inside an object moved
+    on its own (a packed batch) is that object's: the path inside it in ``inner``, the failing leaf in ``shown``."""
 
     def __init__(self, leaf: Any, err: BaseException, inner: str = "", shown: Any = None) -> None:
         super().__init__()
@@ -65,12 +66,11 @@ def make(
     skip: frozenset[Any] = frozenset(),
     held: Callable[[Any, Any], Any] = _as_it_is,
 ) -> Walk:
-    """The walk that rebuilds a structure: every container anew, every leaf through these functions. ``keep(t)``,
-    called for every tensor (so a C callable where it can be: ``attrgetter("is_cpu")``), says whether it comes back as
-    it is; ``tensor(t, state)`` gives what replaces the others, ``leaf(x, code, state)`` what replaces any other leaf
-    but an atom, by its ``_tree`` code, and ``slot(x, state)`` a packed batch's slot, inline like a tensor (by
-    default, ``leaf`` does). ``state`` is one call's own: the functions are made once and shared by every call. A
-    mapping's item under a key in ``skip`` comes back as ``held(item, state)`` gives it (as it is)."""
+    """The walk that rebuilds a structure: every container anew, each leaf through these. ``keep(t)``, called for every
+    tensor (a C callable where it can be: ``attrgetter("is_cpu")``), says whether it comes back as it is; the others
+    become ``tensor(t, state)``, any other leaf but an atom ``leaf(x, code, state)`` (by its ``_tree`` code), a packed
+    batch's slot ``slot(x, state)``, inline like a tensor (by default ``leaf``), and a mapping's item under a key in
+    ``skip`` ``held(item, state)`` (itself). ``state`` is one call's own: the functions are made once, for all calls."""
     # Closure cells, not globals: the cheapest lookups there are, in the loop that runs per leaf.
     atoms, tensor_type, slot_type = _tree.FAST_ATOMS, torch.Tensor, _tree.Slot
     if slot is None:
@@ -180,10 +180,8 @@ _PUSHED: Any = object()  # walk_iteratively's enter(): a frame was pushed, no le
 
 
 class Seen:
-    """The one record of the tensors a walk has met, read by the memo walk, the careful take and staging: each under
-    its address (``where``), so that one met again is found, and so is a distinct tensor over the same memory read the
-    same way (``tied``: tied weights), whose result may be a view of the first one's. The tensors are held, so their
-    ids and addresses stay theirs while the record lives."""
+    """The tensors a walk has met, under their address (``where``): one met again is found, and so is another over the
+    same memory read the same way (``tied``: tied weights). Held, so their ids and addresses stay theirs meanwhile."""
 
     __slots__ = ("at",)
 
@@ -191,8 +189,7 @@ class Seen:
         self.at: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 
     def find(self, t: torch.Tensor) -> tuple[torch.Tensor, Any, bool] | None:
-        """(the tensor met, what was kept with it, whether it is ``t`` itself) for ``t`` met before, else for the
-        first tensor tied to it; None where neither was met."""
+        """(tensor met, its value with it, whether it is ``t``) for ``t``, else for the first tied to it, or None."""
         entries = self.at.get(where(t))
         if entries:
             for u, v in entries:
@@ -208,8 +205,7 @@ class Seen:
 
 
 def where(t: torch.Tensor) -> int:
-    """A tensor's key in ``Seen``: its address, or, for one with none (meta, empty, sparse, a wrapper subclass), the
-    complement of its id, which no address is."""
+    """A tensor's key in ``Seen``: its address, or where it has none (meta, empty, sparse, a wrapper) ``~id``, none."""
     try:
         ptr = t.data_ptr()
     except RuntimeError:  # sparse tensors and wrapper subclasses have no single storage
@@ -218,9 +214,8 @@ def where(t: torch.Tensor) -> int:
 
 
 def tied(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two plain tensors at one address read that memory the very same way, so one result serves both: same
-    dtype, device, shape and strides (any stride for a dimension of size 1), conjugate and negative bits. Never tensors
-    requiring grad: a shared result would route one's gradient through the other."""
+    """Whether two plain tensors at one address read it the same way (dtype, device, shape, strides but of size-1
+    dimensions, conj and neg bits), so one result serves both; never with grad, which it would route through both."""
     if type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.requires_grad or b.requires_grad:
         return False
     if a.dtype != b.dtype or a.device != b.device or a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
@@ -234,8 +229,7 @@ def _slot_leaf(leaf: Callable[[Any, int, Any], Any], x: Any, s: Any) -> Any:
 
 
 def refuse_cycles(x: Any, err: RecursionError, verb: str = "move", skip: frozenset[Any] = frozenset()) -> None:
-    """After ``err``: raise ValueError if ``x`` contains itself, whose walk would never end (not under ``skip``'s
-    keys, whose items are not walked)."""
+    """After ``err``: ValueError if ``x`` contains itself (outside ``skip``'s items), whose walk would never end."""
     try:
         collections.deque(_nodes(x, False, skip), maxlen=0)  # no path built: linear in depth
     except CycleError as cycle:
@@ -261,9 +255,8 @@ class CycleError(Exception):
 
 
 def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()) -> Iterator[tuple[str, Any]]:
-    """Every (path, object) pair below ``obj``, depth first, without recursion, but a mapping's items under ``skip``'s
-    keys. A container reached again is listed once, or at each place with ``revisit``; one that contains itself raises
-    ``CycleError`` with the path of the repeat."""
+    """Every (path, object) below ``obj``, depth first, without recursion, but items under ``skip``'s keys; one reached
+    again listed once (each time with ``revisit``); one containing itself raises ``CycleError`` at the repeat."""
     return _nodes(obj, revisit, skip, "")
 
 
@@ -280,9 +273,8 @@ def _joined(link: Link) -> str:
 
 
 def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> Iterator[tuple[Link, Any]]:
-    """``paths``' walk, each node with its link. From a string ``root``, path strings, built as each node is reached
-    (as long as the nesting is deep); else (parent link, entry) links, joined only where a path is named (a cycle, or
-    the node looked for)."""
+    """``paths``' walk with links: from a string ``root``, paths built as each node is reached (as long as it is deep);
+    else (parent link, entry) links, joined only where a path is named (a cycle, or the node looked for)."""
     text = isinstance(root, str)
     name: Callable[[Link], str] = str if text else _joined
     stack: list[tuple[Link, Any, bool]] = [(root, obj, False)]
@@ -328,6 +320,115 @@ def find_path(obj: Any, target: Any, skip: frozenset[Any] = frozenset()) -> str 
             if node is target:
                 return _joined(link)
     return None
+
+
+class _Mismatch(Exception):
+    """Internal: the batch and ``out`` differ here, as its argument says; the path grows as it leaves each container."""
+
+    path = ""
+
+
+def paired(batch: Any, out: Any, skip: frozenset[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``pairs``; two flat dicts of tensors in a C loop each."""
+    return (None if skip else _flat_pairs(batch, out)) or pairs(batch, out, skip)
+
+
+def _flat_pairs(batch: Any, out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """The sources and targets of two plain dicts with the same keys and only tensors, in a C loop each; else None."""
+    if type(batch) is not dict or type(out) is not dict or len(batch) != len(out) or not batch:
+        return None
+    try:
+        targets = [out[k] for k in batch]
+    except (KeyError, TypeError):  # a key out has not, or an unhashable one: pairs() names it
+        return None
+    sources = list(batch.values())
+    return (sources, targets) if set(map(type, sources)) == set(map(type, targets)) == {_Tensor} else None
+
+
+def pairs(batch: Any, out: Any, skip: frozenset[Any] = frozenset()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors of ``batch`` and ``out`` paired by path, in walk order; ValueError naming the first that differs."""
+    found: list[torch.Tensor] = []
+    try:
+        _pair(batch, out, found, skip)
+    except _Mismatch as m:
+        msg = f"Cannot copy into out: at {format_path(m.path)}, {m.args[0]} Nothing was copied."
+        raise ValueError(msg) from None
+    except RecursionError:
+        msg = "Cannot copy into out: the batch is nested deeper than Python's recursion limit, or contains itself."
+        raise ValueError(msg) from None
+    except LeafError as failure:  # a container that cannot list what it holds, on either side
+        explain(failure, batch, None, verb="copy into out:", also=out, skip=skip)
+    return found[0::2], found[1::2]
+
+
+def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> None:
+    """``a`` paired with ``b``, a container's children by its kind's rule: a list's and a tuple's by position, any
+    other's by a mapping item's key, else by path entry (``.field``, ``[2]``); under ``skip``'s keys, on either side."""
+    kind = _tree.kind_of(type(a))
+    code = kind.code
+    if code == _tree.TENSOR:
+        if not isinstance(b, torch.Tensor):
+            raise _Mismatch(f"out holds {describe(b)} where the batch has a {describe(a)}.")
+        found += (a, b)
+        return
+    if code in (_tree.TO, _tree.PACKED):
+        why = "an object with its own .to()" if code == _tree.TO else "a PackedBatch (unpack it first)"
+        raise _Mismatch(
+            f"the batch holds {describe(a)}, {why}, whose tensors out= cannot pair with out's. "
+            f"Register its type with todevice.register(), or pass skip_keys."
+        )
+    if code != _tree.NODE:
+        if _tree.kind_of(type(b)).code in (_tree.TENSOR, _tree.NODE):  # an atom or unknown object where out holds more
+            raise _Mismatch(f"out holds {describe(b)} where the batch has {describe(a)}.")
+        return
+    if type(b) is not type(a):
+        raise _Mismatch(f"out holds a {type(b).__qualname__} where the batch has a {type(a).__qualname__}.")
+    if isinstance(a, (set, frozenset)):
+        raise _Mismatch("the batch holds a set, whose items have no order to pair them by.")
+    assert kind.flatten is not None and kind.entry is not None
+    children, aux = guarded(a, kind.flatten, a)
+    theirs, their_aux = guarded(b, kind.flatten, b)
+    positional = type(a) is list or type(a) is tuple
+    if (positional or kind.keys is None) and len(theirs) != len(children):
+        raise _Mismatch(f"out holds {len(theirs)} items where the batch has {len(children)}.")
+    if not positional and not skip and kind.keys is not None:
+        # The very same key objects on both sides, in the same order, and every child an item: they pair by position.
+        # Equal keys that are other objects pair by ``_labels``, as a dict would find them.
+        ids = list(map(id, kind.keys(aux)))
+        positional = ids == list(map(id, kind.keys(their_aux))) and id(_tree._NO_KEY) not in ids
+    if positional:
+        paired: Any = zip(range(len(children)), children, theirs)
+    else:
+        mine = _labels(kind, aux, len(children), skip)
+        wanted = [label for label in mine if label is not None]
+        offered = {k: w for k, w in zip(_labels(kind, their_aux, len(theirs), skip), theirs) if k is not None}
+        absent = [label for label in wanted if label not in offered]
+        if absent or len(wanted) != len(offered):
+            known = set(wanted)  # by hash, as a dict finds a key: never == between two lists
+            missing, extra = [label[1] for label in absent], [label[1] for label in offered if label not in known]
+            what = "the keys differ: " if any(label[0] == "key" for label in (*wanted, *offered)) else ""
+            raise _Mismatch(
+                f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
+            )
+        paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
+    for i, v, w in paired:
+        if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
+            found += (v, w)
+            continue
+        try:
+            _pair(v, w, found, skip)
+        except _Mismatch as m:
+            m.path = kind.entry(aux, i) + m.path
+            raise
+
+
+def _labels(kind: _tree.Kind, aux: Any, n: int, skip: frozenset[Any]) -> list[tuple[str, Any] | None]:
+    """What pairs each child: a mapping's item its key, anything else its path entry; None under a key in ``skip``."""
+    keys = kind.keys(aux) if kind.keys is not None else (_tree._NO_KEY,) * n
+    return [
+        ("entry", kind.entry(aux, i)) if k is _tree._NO_KEY else None if skip and k in skip else ("key", k)  # type: ignore[misc]
+        for i, k in enumerate(keys)
+    ]
 
 
 def cycle_message(err: CycleError, verb: str = "move") -> str:
@@ -402,11 +503,10 @@ _JUST_TENSORS = frozenset({torch.Tensor})
 
 
 def copy_for_to(obj: Any) -> Any:
-    """What ``obj``'s own ``.to()`` is called on: a copy, so that a ``.to()`` that works in place leaves ``obj`` alone.
-    ``copy.copy``, and where the class has no ``__copy__`` of its own (whose copy is its word), the plain dicts and
-    lists its attributes hold, at any depth, are copied too: a ``.to()`` that writes ``self.data[k] = ...`` writes into
-    the copy's. Anything else is shared. One that cannot be copied (``copy.copy`` raises, or recurses without end near
-    the top of the stack) is returned as it is."""
+    """What ``obj``'s own ``.to()`` is called on: a copy, so that one that works in place leaves ``obj`` alone. Where
+    the class has no ``__copy__`` (whose copy is its word), the plain dicts and lists its attributes hold are copied
+    too, at any depth, for a ``.to()`` that writes ``self.data[k] = ...``; all else is shared. One ``copy.copy``
+    cannot copy (it raises, or recurses without end near the top of the stack) is returned as it is."""
     tp = type(obj)
     if tp in _PURE_TO:
         return obj
@@ -415,7 +515,7 @@ def copy_for_to(obj: Any) -> Any:
         if target is obj:  # a singleton, or a class whose __reduce__ names a global: no copy to work on
             return obj
     except RecursionError:
-        if _depth() > sys.getrecursionlimit() // 2:
+        if sum(1 for _ in traceback.walk_stack(sys._getframe())) > sys.getrecursionlimit() // 2:
             raise  # deep nesting: the walk falls back to one with a stack, which calls this again near its top
         return obj  # a copy whose __getattr__ reads an attribute the copy lacks: not copyable, as below
     except Exception:
@@ -439,15 +539,6 @@ def copy_for_to(obj: Any) -> Any:
     if any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
         _copy_plain_containers(state)
     return target
-
-
-def _depth() -> int:
-    """How many frames the caller's stack holds."""
-    frame: Any = sys._getframe(1)
-    n = 0
-    while frame is not None:
-        frame, n = frame.f_back, n + 1
-    return n
 
 
 def _state(obj: Any) -> Any:
@@ -485,14 +576,12 @@ def rest_of_mapping(
     dev: torch.device,
     dtype: torch.dtype | None,
 ) -> Any:
-    """A mapping that its own ``.to()`` moved (``out``), finished as a mapping move() walks would be; returns ``out``.
-    Such a ``.to()`` (a BatchEncoding's) moves only what has a ``.to()``: a container item is moved by ``move_item``.
-    Each tensor its ``.to()`` copied as move() would (to ``dev``, cast to ``dtype`` where move() casts) goes to
-    ``once(source, copy)``, which answers with the move's one copy of that source (one made elsewhere before, or this
-    one, kept): a tensor held twice stays one. A tensor its ``.to()`` left, or copied otherwise, is its own choice,
-    kept, never standing for the source elsewhere. An item under ``skip``'s keys is put back as ``obj`` holds it.
-    Written with ``out[key] = ...``: an item ``out`` refuses stays as its ``.to()`` left it; an ``out`` that is not a
-    mutable mapping is left as it is."""
+    """``out``, a mapping its own ``.to()`` moved (a BatchEncoding's, which moves only what has a ``.to()``), finished
+    as move()'s walk would: a container item moved by ``move_item``; each tensor its ``.to()`` copied as move() would
+    (to ``dev``, cast as move() casts) given to ``once(source, copy)``, which answers with the move's one copy of that
+    source, so a tensor held twice stays one; one it left or copied otherwise kept, never standing for the source
+    elsewhere; an item under ``skip``'s keys put back as ``obj`` holds it. Written with ``out[key] = ...``: an item
+    ``out`` refuses stays; an ``out`` not a mutable mapping, too."""
     items = _items(out)
     if items is out and not isinstance(out, collections.abc.MutableMapping):
         return out
@@ -519,7 +608,7 @@ def rest_of_mapping(
                 if new is not value:
                     changes.append((key, new))
     for key, value in changes:
-        try:
+        try:  # not contextlib.suppress: dynamo traces this function
             out[key] = value
         except Exception:  # a mapping that validates what it is given: that item stays as its .to() left it
             continue
@@ -535,8 +624,8 @@ def _items(m: Any) -> Any:
 
 
 def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torch.dtype | None) -> bool:
-    """Whether ``out`` is a copy of ``t`` as move() makes one: on ``dev`` (any index of its type where it names none,
-    as under torch.compile), cast to ``dtype`` where move() casts."""
+    """Whether ``out`` is ``t`` copied as move() does: on ``dev`` (any index where it names none, as under
+    torch.compile), cast to ``dtype`` as move() casts."""
     if out is t or out.dtype is not cast_to(t.dtype, dtype):  # dtypes are singletons
         return False
     on = out.device
@@ -544,10 +633,9 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
 
 
 def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
-    """``obj`` moved by its own ``.to()``, on a copy where it can be copied (``copy_for_to``); raises ``LeafError``.
-    With ``dtype``, where ``obj`` holds floating-point or complex tensors (as far as ``inside`` shows), its ``.to()``
-    gets ``dtype=`` too, as ``nn.Module.to`` does (a TypeError where it takes none, rather than leave them uncast); one
-    that holds none is moved without it, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
+    """``obj`` moved by its own ``.to()``, on a copy (``copy_for_to``); raises ``LeafError``. Where it holds floating or
+    complex tensors (``inside``), ``dtype=`` too, as ``nn.Module.to`` (a TypeError where it takes none, rather than
+    leave them uncast); else not, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
     tp = type(obj)
     casts: dict[str, torch.dtype] = {}
     if dtype is not None and _holds_floating(obj):
@@ -583,9 +671,8 @@ def _holds_floating(obj: Any) -> bool:
 
 
 def devices_inside(obj: Any, depth: int = 3) -> set[torch.device]:
-    """The accelerators whose memory an object with ``.to()`` holds, as far as ``inside`` shows, a few levels deep.
-    Where none is seen, every device the process has a context on: never every device, since synchronizing one
-    creates a CUDA context there (about 0.5 GiB)."""
+    """The accelerators an object with ``.to()`` holds memory on (``inside``, a few levels deep); none seen, those with
+    a context: never every device, since synchronizing one creates a CUDA context there (about 0.5 GiB)."""
     found: set[torch.device] = set()
 
     def look(x: Any, depth: int) -> None:
