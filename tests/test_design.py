@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import todevice
-from todevice import _into, _layout, _move, _pack, _step, _stream, _tree, _walk
+from todevice import _into, _layout, _move, _pack, _stream, _tree, _walk
 
 SRC = Path(todevice.__file__).parent
 
@@ -28,7 +28,6 @@ LAYERS = [
     "_passed",
     "_layout",
     "_back",
-    "_step",
     "_into",
     "_traced",
     "_move",
@@ -134,11 +133,11 @@ def module_state(module: Any) -> set[str]:
 
 
 def test_process_wide_state_is_the_registry_and_bounded_caches() -> None:
-    state = set().union(*(module_state(m) for m in (_tree, _stream, _walk, _layout, _step, _into, _move)))
+    state = set().union(*(module_state(m) for m in (_tree, _stream, _walk, _layout, _into, _move)))
     assert state == ALLOWED_STATE
     cached = [
         fn
-        for m in (_tree, _stream, _walk, _layout, _step, _into, _move)
+        for m in (_tree, _stream, _walk, _layout, _into, _move)
         for fn in vars(m).values()
         if isinstance(fn, functools._lru_cache_wrapper)
     ]

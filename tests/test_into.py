@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import todevice
 from tests import helpers
-from todevice import _layout, _step, _walk
+from todevice import _into, _layout, _walk
 
 
 def batch(seed: int, n: int = 100) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def test_into_one_host_buffer_laid_out_as_coalescing_lays_it_out(coalesce: bool)
     static = todevice.move(batch(0), "meta", coalesce=True)  # the layout of a coalesced move...
     small = [t for t in leaves(static) if t.nbytes <= todevice.COALESCE_MAX_BYTES]
     lay = _layout.layout(tuple(t.dtype for t in small), tuple(t.shape for t in small), None)
-    assert _step._span(small, lay) is not None  # ...which out= recognises
+    assert _into._span(small, lay) is not None  # ...which out= recognises
     host = torch.full((lay.nbytes,), 0xAB, dtype=torch.uint8)  # ...and the same layout in host memory
     views = _layout.read(host, lay)
     host_static = batch(0)
@@ -429,7 +429,7 @@ def flat_inputs(seed: int) -> dict[str, torch.Tensor]:
 def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which of out='s checks run, in order: "one buffer" (the few reads of the common step) and "full"."""
     ran: list[str] = []
-    for module, name, label in ((_step, "step_for", "one buffer"), (_step, "_check_pairs", "full")):
+    for module, name, label in ((_into, "step_for", "one buffer"), (_into, "_check_pairs", "full")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, real=real, label=label: ran.append(label) or real(*args))
     return ran

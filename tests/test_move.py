@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import todevice
 from tests import helpers, strategies
-from todevice import _layout, _move, _step, _stream
+from todevice import _into, _layout, _move, _stream
 
 
 def moved(tree: Any, device: torch.device, dtype: torch.dtype | None = None, coalesce: bool = False) -> Any:
@@ -987,7 +987,7 @@ def test_out_copies_to_mps_from_pageable_memory_are_blocking(monkeypatch: pytest
             return self
 
     dst = torch.Tensor._make_subclass(Target, torch.zeros(2))
-    _step._alone(torch.ones(2), dst, True)
+    _into._alone(torch.ones(2), dst, True)
     assert seen == [False]
 
 

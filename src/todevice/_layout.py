@@ -473,7 +473,7 @@ def distinct(sources: list[torch.Tensor]) -> bool:
 _SLOTS = tuple(map(_tree.Slot, range(4096)))
 NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  # a "keep" that says no, in C
 _SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
-# Tensor attributes, each read for many tensors in one C loop with map() (here, and by _into and _step).
+# Tensor attributes, each read for many tensors in one C loop with map() (here, and by _into).
 data_ptr = _Tensor.data_ptr
 is_cpu, requires_grad, dtype_of, shape_of, device_of, nbytes_of, layout_of = map(
     operator.attrgetter, ("is_cpu", "requires_grad", "dtype", "shape", "device", "nbytes", "layout")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from todevice import _into, _layout, _move, _options, _pack, _passed, _step, _stream, _tree, _walk
+from todevice import _into, _layout, _move, _options, _pack, _passed, _stream, _tree, _walk
 
 
 class StaticBatch:
@@ -94,11 +94,11 @@ class StaticBatch:
         self._copying = _into.Copying(non_blocking, dtype, None, _options.COALESCE_MAX_BYTES, find_step=False)
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
         self._targets = _walk.paired(static, static, self._skip)[1]
-        _step.check_targets(self._targets, static)
-        step = _step.step_for(self._targets, _options.COALESCE_MAX_BYTES, owned) if dtype is None else None
+        _into.check_targets(self._targets, static)
+        step = _into.step_for(self._targets, _options.COALESCE_MAX_BYTES, owned) if dtype is None else None
         if step is not None and not step.inference:  # marked written each step: those the write through the span
             before = [t._version for t in step.targets]  # does not mark, found by marking the span once
-            _step.written([step.span], False)
+            _into.written([step.span], False)
             step = step._replace(targets=[t for t, v in zip(step.targets, before) if t._version == v])
         self._step = step
         storage = None if step is None else step.span.untyped_storage()  # where the buffer is, and how large
@@ -149,9 +149,9 @@ class StaticBatch:
         except (KeyError, TypeError):  # a key the batch has not: the general pairing names it
             return None
 
-    def _fed(self, step: _step.Step, sources: list[torch.Tensor]) -> bool:
+    def _fed(self, step: _into.Step, sources: list[torch.Tensor]) -> bool:
         """The one-buffer step, with the staging buffer the handle holds for host targets."""
-        if _step.fed(step, sources, self._copying.non_blocking, self._held):
+        if _into.fed(step, sources, self._copying.non_blocking, self._held):
             return True
         if self._held is not None and any(region.requires_grad for _, region in self._held[2]):
             self._held = self._staging()  # a source requiring grad made its regions part of a graph
@@ -246,7 +246,7 @@ def _one_counter(buffers: Any) -> Any:
     def view(t: torch.Tensor, _: Any) -> torch.Tensor:
         if id(t) not in made:
             if not bases:  # a view of the first tensor over the whole storage, whose counter every view then shares
-                bases[torch.uint8] = _step._bytes(t, t.untyped_storage().nbytes(), 0)
+                bases[torch.uint8] = _into._bytes(t, t.untyped_storage().nbytes(), 0)
             if t.dtype not in bases:
                 bases[t.dtype] = bases[torch.uint8].view(t.dtype)
             v = bases[t.dtype].as_strided(t.shape, t.stride(), t.storage_offset())

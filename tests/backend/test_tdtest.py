@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import todevice
 from tests import helpers, strategies
 from tests.backend import tdtest
-from todevice import _bench, _into, _layout, _move, _step
+from todevice import _bench, _into, _layout, _move
 
 DEV = torch.device("tdtest", 0)
 
@@ -935,8 +935,8 @@ def one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
         host = real_span([t.raw for t in targets], lay)  # type: ignore[attr-defined]
         return None if host is None else tdtest.wrap(host)
 
-    real_span = _step._span
-    monkeypatch.setattr(_step, "_span", span)
+    real_span = _into._span
+    monkeypatch.setattr(_into, "_span", span)
 
 
 def test_into_one_device_buffer_in_one_copy(one_buffer: None, pinned_stand_in: list[int]) -> None:
