@@ -10,7 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from todevice import _layout, _stream, _tree, _walk
+from todevice import _layout, _own_to, _stream, _tree, _walk
 from todevice._pack import PackedBatch
 from todevice._stream import DeviceLike
 from todevice.errors import DeviceMismatchError
@@ -47,7 +47,7 @@ def _tensors(
                 if first is not None:
                     raise _walk.CycleError(first, prefix + path, node)
                 within[id(node)] = prefix + path
-                for part, inner in _walk.inside(node):
+                for part, inner in _own_to.inside(node):
                     yield from _tensors(inner, prefix + path + part, within=within)
                 del within[id(node)]
     except _walk.CycleError as cycle:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from todevice import _back, _into, _layout, _options, _passed, _stream, _traced, _tree, _walk
+from todevice import _back, _into, _layout, _options, _own_to, _passed, _stream, _traced, _tree, _walk
 from todevice._options import COALESCE_MAX_BYTES
 from todevice._stream import DeviceLike
 from todevice._walk import LeafError
@@ -386,12 +386,12 @@ def _leaf(x: Any, code: int, s: State) -> Any:
 
 def _to_object(obj: Any, s: State) -> Any:
     p = s.plan
-    held = _walk.devices_inside(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
+    held = _own_to.devices_inside(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
     if streams is not None:
         _stream.set_stream(streams[0])
     try:
-        out = _walk.to_object(obj, p.dev, _layout.asynchronous(p.non_blocking, p.dev), p.dtype)
+        out = _own_to.to_object(obj, p.dev, _layout.asynchronous(p.non_blocking, p.dev), p.dtype)
     finally:
         if streams is not None:
             _stream.set_stream(streams[1])
@@ -400,7 +400,7 @@ def _to_object(obj: Any, s: State) -> Any:
     s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out
     if _tree.to_mapping(type(obj)):  # what its .to() left: containers in it, and keys to skip
         s.know_taken()  # a tensor of its own taken out of the batch: the view that holds its copy, not its .to()'s
-        _walk.rest_of_mapping(obj, out, p.skip, functools.partial(_memo_walk, s=s), s.once, p.dev, p.dtype)
+        _own_to.rest_of_mapping(obj, out, p.skip, functools.partial(_memo_walk, s=s), s.once, p.dev, p.dtype)
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from todevice import _tree, _walk, errors
+from todevice import _own_to, _tree, _walk, errors
 
 # Iterators that yield no tensors whatever they hold: a range's, a string's, a file's lines.
 _NO_TENSORS = (type(iter(range(0))), type(iter("")), type(iter(b"")), io.IOBase)
@@ -38,7 +38,7 @@ def left_behind(obj: Any, code: int, placed: Callable[[torch.Tensor], bool]) -> 
     if isinstance(obj, collections.abc.Iterator) and not isinstance(obj, _NO_TENSORS):
         why = "walking an iterator uses it up, so what it yields was not moved. Pass a list or a tuple instead"
         return f"a {name} (an iterator)", why
-    state = _walk._state(obj)
+    state = _own_to._state(obj)
     for attribute, value in state.items() if type(state) is dict else ():
         if isinstance(value, torch.Tensor) and not placed(value):
             why = f"the tensor in its .{attribute} (and any other it holds) was not moved. Register its type with "

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from todevice import _layout, _options, _passed, _stream, _tree, _walk
+from todevice import _layout, _options, _own_to, _passed, _stream, _tree, _walk
 
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
 # (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
@@ -361,7 +361,7 @@ def _met(x: Any, h: _How) -> Any:
 
 
 def _to_object(x: Any, h: _How) -> Any:
-    """An object with its own ``.to()``: moved by it on a shallow copy, as the eager move does (``_walk.to_object``);
+    """An object with its own ``.to()``: moved by it on a shallow copy, as the eager move does (``_own_to.to_object``);
     ``dtype=`` reaches a ``.to()`` that takes it, a PackedSequence's where its data is floating-point."""
     out = _met(x, h)
     if out is not None:
@@ -371,7 +371,7 @@ def _to_object(x: Any, h: _How) -> Any:
     if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
         if not LISTS_ATTRIBUTES:
             torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
-        target = _walk.copy_for_to(x)
+        target = _own_to.copy_for_to(x)
     named: dict[str, Any] = {"non_blocking": h.nb} if _tree.to_takes(tp, "non_blocking") else {}  # eager's order
     floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
     if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
@@ -381,7 +381,7 @@ def _to_object(x: Any, h: _How) -> Any:
         out = target
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
-        _walk.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
+        _own_to.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
     return out
 
 
