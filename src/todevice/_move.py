@@ -287,9 +287,8 @@ def walk_again(obj: Any, p: Plan, rec: list[torch.Tensor] | None = None) -> Any:
 def _walked(x: Any, s: State, original: Any, views: Callable[[], list[torch.Tensor]] | None = None) -> Any:
     """The memo walk over ``x`` (a skeleton whose slots ``views()`` fill, if given), naming paths in ``original``."""
     try:
-        if views is not None:  # x: the taken tensors (a _layout.Taken)
-            taken, x = x, x.skeleton
-            s.views, s.aliases, s.taken = views(), {}, taken.tensors
+        if views is not None:
+            s.views, s.aliases = views(), {}
         out = _memo_walk(x, s)
     except LeafError as failure:
         _walk.explain(failure, original, s.plan.dev, also=x, skip=s.plan.skip)
@@ -565,10 +564,13 @@ def _batch(obj: Any, s: State) -> Any:
             _walk.explain(failure, obj, p.dev, skip=p.skip)
     if taken is None or (gather and len(taken.tensors) < 2):  # a single tensor to gather goes alone
         return _walked(obj, s, obj)
+    s.taken = taken.tensors  # the tensors behind the slots' views
     if gather:
         copied = functools.partial(_copied, s=s)
         order = functools.partial(_order, s=s)
-        return _walked(taken, s, obj, lambda: _back.gathered_back(taken, s.plan.dtype, copied, order, s.buffers))
+        return _walked(
+            taken.skeleton, s, obj, lambda: _back.gathered_back(taken, s.plan.dtype, copied, order, s.buffers)
+        )
     # Host tensors sent as _layout.sending decides from what the batch holds: the small ones together through one
     # (pinned) buffer, or each alone; those alone straight, or all through one pinned buffer where the driver would
     # wait for queued work (the skeleton's walk takes those copies).
@@ -580,13 +582,13 @@ def _batch(obj: Any, s: State) -> Any:
     if not small:
         return _walked(obj, s, obj)
     if not how.together:
-        return _walked(taken, s, obj, lambda: [_copied(t, s) for t in small])
+        return _walked(taken.skeleton, s, obj, lambda: [_copied(t, s) for t in small])
     views: list[torch.Tensor] = []
     for part, lay in _layout.parts(small, taken.layout, p.dtype):  # bounded: what one kept tensor holds alive
         staging = _layout.staging(lay.nbytes, p.dev)[0]
         _layout.write(staging, lay, part)
         views += _send(s, staging, lay)
-    return _walked(taken, s, obj, lambda: views)
+    return _walked(taken.skeleton, s, obj, lambda: views)
 
 
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
