@@ -256,7 +256,7 @@ def _one_counter(buffers: Any) -> Any:
         return made[id(t)]
 
     try:
-        return _walk.make(lambda t: False, view, lambda x, code, state: x, _tree.kind_of).walk(buffers, None)
+        return _walk.make(_layout.NEVER, view, lambda x, code, state: x, _tree.kind_of).walk(buffers, None)
     except _Unseen:
         return buffers
 
