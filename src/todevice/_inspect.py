@@ -109,21 +109,25 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
         prefix = f"objs[{i}]" if len(objs) > 1 else ""
         for path, t in _tensors(obj, prefix):
             by_device.setdefault(t.device, []).append(path)
-    wrong = by_device if want is None else {dev: paths for dev, paths in by_device.items() if dev != want}
-    where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in wrong.items())
-    if want is not None and wrong:
-        msg = (
-            f"Expected every tensor on {want}, found {sum(map(len, wrong.values()))} elsewhere: {where}. "
-            f"Move them with todevice.move(obj, {str(want)!r}), or module.to({str(want)!r})."
-        )
-        raise DeviceMismatchError(msg)
-    if len(wrong) > 1:
+    if want is not None:
+        wrong = {dev: paths for dev, paths in by_device.items() if dev != want}
+        if wrong:
+            count = sum(len(p) for p in wrong.values())
+            where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in wrong.items())
+            msg = (
+                f"Expected every tensor on {want}, found {count} elsewhere: {where}. "
+                f"Move them with todevice.move(obj, {str(want)!r}), or module.to({str(want)!r})."
+            )
+            raise DeviceMismatchError(msg)
+        return want if by_device else None
+    if len(by_device) > 1:
+        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in by_device.items())
         msg = (
             f"Expected every tensor on one device, found {len(by_device)}: {where}. "
             f"Move them with todevice.move(obj, device), or module.to(device)."
         )
         raise DeviceMismatchError(msg)
-    return want if want is not None and by_device else next(iter(by_device), None)
+    return next(iter(by_device), None)
 
 
 # ---------------------------------------------------------------- audit()
@@ -215,14 +219,20 @@ def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Find
     kind = type(value).__name__
     for path, node in _walk.paths(value):
         if isinstance(node, torch.Tensor) and id(node) not in registered:  # not a view of a parameter (RNNs)
-            what = f"a tensor on {node.device}"
-            fix = "it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a buffer."
+            yield Finding(
+                where + path,
+                "tensor-in-container",
+                f"{where}{path} is a tensor on {node.device} in a plain {kind} attribute: Module.to() will not "
+                f"move it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a "
+                f"buffer.",
+            )
         elif isinstance(node, nn.Module) and any(id(p) not in registered for p in node.parameters()):
-            what, fix = f"a {type(node).__name__}", "its parameters and buffers. Use nn.ModuleList or nn.ModuleDict."
-        else:
-            continue
-        msg = f"{where}{path} is {what} in a plain {kind} attribute: Module.to() will not move {fix}"
-        yield Finding(where + path, "tensor-in-container", msg)
+            yield Finding(
+                where + path,
+                "tensor-in-container",
+                f"{where}{path} is a {type(node).__name__} in a plain {kind} attribute: Module.to() will not move "
+                f"its parameters and buffers. Use nn.ModuleList or nn.ModuleDict.",
+            )
 
 
 def _split(name: str, module: nn.Module) -> Iterator[Finding]:
