@@ -43,10 +43,12 @@ import torch
 
 from todevice import _layout, _options, _own_to, _passed, _stream, _tree, _walk
 
+_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (2, 11) for "2.11.0a0+git..." too
+
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
 # (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
 # dataclass is rebuilt from its fields, and what needs the list breaks the graph with a message.
-LISTS_ATTRIBUTES = torch.__version__ >= "2.12"
+LISTS_ATTRIBUTES = _RELEASE >= (2, 12)  # compared as numbers: "2.9" >= "2.12" as strings
 
 _EVAL_FRAME = torch._C._dynamo.eval_frame
 
@@ -75,7 +77,7 @@ _never_compiled(_peeked_callback)
 # Whether dynamo traces this walk: from torch 2.11. Before, it crashes on it (2.8 cannot trace
 # ``frozenset.__contains__``) or gives a wrong result (2.10 hands back a frozenset of tensors empty). There move(),
 # pack() and unpack() run as plain Python behind a graph break (``untraced``).
-TRACES = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 11)  # "2.11.0a0+git..." too
+TRACES = _RELEASE >= (2, 11)
 
 
 def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
