@@ -71,7 +71,7 @@ def plan(device: Any, non_blocking: bool, dtype: torch.dtype | None, skip: froze
         return Bare(dev.type)
     keep: Callable[[torch.Tensor], bool]  # whether a tensor is in place already
     if dtype is None and dev.type == "cpu":
-        keep = operator.attrgetter("is_cpu")  # a C call; `t.device == dev` makes a device object first
+        keep = _layout.is_cpu  # a C call; `t.device == dev` makes a device object first
     elif dtype is None and dev.type == "meta":
         # .to("meta") gives a meta tensor back as it is, and nearly every leaf sent to meta is a copy.
         keep = _layout.NEVER
