@@ -475,9 +475,13 @@ NEVER: Callable[[torch.Tensor], bool] = functools.partial(operator.is_, None)  #
 _SCALAR = torch.Size([])  # the shape of 0-dim tensors, made once
 # Tensor attributes, each read for many tensors in one C loop with map() (here, and by _into).
 data_ptr = _Tensor.data_ptr
-is_cpu, requires_grad, dtype_of, shape_of, device_of, nbytes_of, layout_of = map(
-    operator.attrgetter, ("is_cpu", "requires_grad", "dtype", "shape", "device", "nbytes", "layout")
-)
+is_cpu = operator.attrgetter("is_cpu")
+requires_grad = operator.attrgetter("requires_grad")
+dtype_of = operator.attrgetter("dtype")
+shape_of = operator.attrgetter("shape")
+device_of = operator.attrgetter("device")
+nbytes_of = operator.attrgetter("nbytes")
+layout_of = operator.attrgetter("layout")
 
 
 class _Taking:
@@ -501,15 +505,15 @@ def _take(t: torch.Tensor, s: _Taking) -> Any:
     if type(t) is not _Tensor or t.is_cpu is s.devices:
         s.loose.append(t)
         return t
-    max_bytes = s.max_bytes
     try:
-        big = max_bytes is not None and t.nbytes > max_bytes
+        big = s.max_bytes is not None and t.nbytes > s.max_bytes
     except RuntimeError:  # sparse tensors have no nbytes
         big = True
-    if big or (t.requires_grad and not s.grad):  # move() coalesces tensors that need no autograd only
+    # A large tensor keeps its own memory; move() coalesces tensors that need no autograd only.
+    if big or (t.requires_grad and not s.grad):
         s.loose.append(t)
         s.alone.append(t)
-        return t  # a large tensor keeps its own memory
+        return t
     tensors = s.tensors
     tensors.append(t)
     try:

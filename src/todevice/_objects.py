@@ -110,8 +110,11 @@ def _object_kind(tp: type) -> Kind:
                 continue
             names.append(name)
             children.append(value)
-        keys = list(keys_of(obj)) if mapping else None
-        items = list(values_of(obj)) if mapping else [] if items_of is None else list(items_of(obj))
+        keys, items = None, []
+        if mapping:
+            keys, items = list(keys_of(obj)), list(values_of(obj))
+        elif items_of is not None:
+            items = list(items_of(obj))
         state: Any = _get(obj, "__dict__") if has_dict else None
         in_state: list[str] = []
         mirrors: Any = None  # attributes that are items: (name, item index) pairs, or True for __dict__ is obj

@@ -528,8 +528,13 @@ def kind_of(tp: type) -> Kind:
     if late is not None and late[1] == _foreign(tp) and not _has_to(tp):
         return late[0]
     _learn(tp)
-    late = _late.get(id(tp))  # in neither: a registration made meanwhile, not cached
-    return _kinds.get(id(tp)) or (_settled(tp) or _late_rule(tp) if late is None else late[0])
+    kind = _kinds.get(id(tp))
+    if kind is not None:
+        return kind
+    late = _late.get(id(tp))
+    if late is not None:
+        return late[0]
+    return _settled(tp) or _late_rule(tp)  # in neither: a registration made meanwhile, not cached
 
 
 # optree's registry: its global namespace's rule for a type is the entry under the type itself. A rule given, removed

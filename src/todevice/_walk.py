@@ -393,7 +393,7 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
         ids = list(map(id, kind.keys(aux)))
         positional = ids == list(map(id, kind.keys(their_aux))) and id(_tree._NO_KEY) not in ids
     if positional:
-        paired: Any = zip(range(len(children)), children, theirs)
+        matched: Any = zip(range(len(children)), children, theirs)
     else:
         mine = _labels(kind, aux, len(children), skip)
         wanted = [label for label in mine if label is not None]
@@ -406,8 +406,8 @@ def _pair(a: Any, b: Any, found: list[torch.Tensor], skip: frozenset[Any]) -> No
             raise _Mismatch(
                 f"{what}the batch has {missing} that out has not, and out has {extra} that the batch has not."
             )
-        paired = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
-    for i, v, w in paired:
+        matched = ((i, children[i], offered[label]) for i, label in enumerate(mine) if label is not None)
+    for i, v, w in matched:
         if type(v) is _Tensor and type(w) is _Tensor:  # the common pair, without a call
             found += (v, w)
             continue
