@@ -302,6 +302,27 @@ def test_fullgraph_move_of_to_objects_as_the_eager_move_calls_them(cls: type[Ret
     assert obj.t.device.type == "cpu" or cls is Uncopyable  # moved on a copy where it can be copied
 
 
+class KeywordsSeen:
+    """A .to() that records the keywords it is given, in order."""
+
+    seen: list[list[str]] = []
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any, **kwargs: Any) -> KeywordsSeen:
+        KeywordsSeen.seen.append(list(kwargs))
+        return KeywordsSeen(self.t.to(device, **kwargs))
+
+
+@helpers.traces
+def test_a_to_object_gets_its_keywords_in_the_eager_move_s_order() -> None:
+    KeywordsSeen.seen.clear()
+    todevice.move([KeywordsSeen(torch.ones(2))], "meta", dtype=torch.float16)
+    compiled(lambda b: todevice.move(b, "meta", dtype=torch.float16))([KeywordsSeen(torch.ones(2))])
+    assert KeywordsSeen.seen == [["non_blocking", "dtype"], ["non_blocking", "dtype"]]
+
+
 class Plain:
     pass
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 from collections import namedtuple
 from typing import Any
 
@@ -746,3 +747,21 @@ def test_an_inference_tensor_anywhere_among_the_targets_is_refused_outside_infer
     with pytest.raises(ValueError, match=r"at \['b'\], out's tensor .*inference tensor outside torch.inference_mode"):
         todevice.move({"a": torch.ones(3), "b": torch.ones(2)}, out={"a": buf[0:3], "b": b})
     assert buf.eq(0).all()
+
+
+def test_out_pairs_structures_nested_more_than_half_the_recursion_limit_deep() -> None:
+    depth = sys.getrecursionlimit() * 3 // 5  # a frame a level: about half the limit took two frames a level
+
+    def nested(t: torch.Tensor) -> Any:
+        for _ in range(depth):
+            t = [t]  # type: ignore[assignment]
+        return t
+
+    static = nested(torch.zeros(3))
+    assert todevice.move(nested(torch.ones(3)), out=static) is static
+    inner = static
+    for _ in range(depth):
+        inner = inner[0]
+    assert torch.equal(inner, torch.ones(3))
+    with pytest.raises(ValueError, match=r"out's tensor has shape \(3,\) and the batch's \(2,\)"):
+        todevice.move(nested(torch.ones(2)), out=static)
