@@ -14,7 +14,7 @@ import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import pytest
 import torch
@@ -305,7 +305,7 @@ def test_fullgraph_move_of_to_objects_as_the_eager_move_calls_them(cls: type[Ret
 class KeywordsSeen:
     """A .to() that records the keywords it is given, in order."""
 
-    seen: list[list[str]] = []
+    seen: ClassVar[list[list[str]]] = []
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
