@@ -22,10 +22,9 @@ _Tensor = torch.Tensor
 def _tensors(
     obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name. An
-    object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (views of
-    its buffer fill its skeleton's slots). ``within`` holds the ``.to()`` objects being looked into, by id, with their
-    paths: one that holds itself, or its parent, is a cycle."""
+    """(path, tensor) for every tensor in ``obj``, wherever reached; a module's by qualified name. A ``.to()`` object
+    is looked into (``_own_to.inside``), a PackedBatch too (its buffer's views fill its slots). ``within``: the
+    ``.to()`` objects being looked into, by id, with their paths: one that holds itself or its parent is a cycle."""
     if isinstance(obj, nn.Module):
         sep = "." if prefix else ""
         for name, t in [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]:
@@ -77,6 +76,10 @@ def _listing(paths: list[str]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
+def _where(by_device: dict[torch.device, list[str]]) -> str:
+    return "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in by_device.items())
+
+
 def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
     """The one device all tensors in ``objs`` are on, or DeviceMismatchError naming where each one is.
 
@@ -113,17 +116,15 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
         wrong = {dev: paths for dev, paths in by_device.items() if dev != want}
         if wrong:
             count = sum(len(p) for p in wrong.values())
-            where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in wrong.items())
             msg = (
-                f"Expected every tensor on {want}, found {count} elsewhere: {where}. "
+                f"Expected every tensor on {want}, found {count} elsewhere: {_where(wrong)}. "
                 f"Move them with todevice.move(obj, {str(want)!r}), or module.to({str(want)!r})."
             )
             raise DeviceMismatchError(msg)
         return want if by_device else None
     if len(by_device) > 1:
-        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in by_device.items())
         msg = (
-            f"Expected every tensor on one device, found {len(by_device)}: {where}. "
+            f"Expected every tensor on one device, found {len(by_device)}: {_where(by_device)}. "
             f"Move them with todevice.move(obj, device), or module.to(device)."
         )
         raise DeviceMismatchError(msg)
@@ -243,8 +244,7 @@ def _split(name: str, module: nn.Module) -> Iterator[Finding]:
     for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
         split.setdefault(t.device, []).append(prefix + n)
     if len(split) > 1:
-        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
-        msg = f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({where}). "
+        msg = f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({_where(split)}). "
         yield Finding(name, "split-devices", msg + "Move the module whole with module.to(device).")
 
 
