@@ -17,7 +17,7 @@ from todevice import _stream
 COALESCE_MAX_BYTES = 64 * 1024
 
 
-def check_dtype(dtype: object) -> torch.dtype:
+def check_dtype(dtype: object) -> None:
     if not isinstance(dtype, torch.dtype):
         named = getattr(torch, dtype, None) if isinstance(dtype, str) else None
         meant = isinstance(named, torch.dtype) and castable(named)  # one move() casts to
@@ -31,13 +31,11 @@ def check_dtype(dtype: object) -> torch.dtype:
             f"torch.float16. Cast integer tensors yourself with tensor.to(dtype)."
         )
         raise TypeError(msg)
-    return dtype
 
 
-# The cast rule, in one place: dtype= casts floating-point and complex tensors, as nn.Module.to(dtype) does; integer
-# and bool tensors keep theirs.
 def castable(dtype: torch.dtype) -> bool:
-    """Whether move()'s ``dtype=`` casts a tensor of ``dtype``."""
+    """Whether move()'s ``dtype=`` casts a tensor of ``dtype``: floating-point and complex ones, as nn.Module.to(dtype)
+    does; integer and bool tensors keep theirs. The cast rule, in one place."""
     return dtype.is_floating_point or dtype.is_complex
 
 
