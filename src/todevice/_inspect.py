@@ -42,9 +42,8 @@ def _tensors(
                 yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:
                 within = {} if within is None else within
-                first = within.get(id(node))
-                if first is not None:
-                    raise _walk.CycleError(first, prefix + path, node)
+                if id(node) in within:
+                    raise _walk.CycleError(within[id(node)], prefix + path, node)
                 within[id(node)] = prefix + path
                 for part, inner in _own_to.inside(node):
                     yield from _tensors(inner, prefix + path + part, within=within)
@@ -220,20 +219,14 @@ def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Find
     kind = type(value).__name__
     for path, node in _walk.paths(value):
         if isinstance(node, torch.Tensor) and id(node) not in registered:  # not a view of a parameter (RNNs)
-            yield Finding(
-                where + path,
-                "tensor-in-container",
-                f"{where}{path} is a tensor on {node.device} in a plain {kind} attribute: Module.to() will not "
-                f"move it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a "
-                f"buffer.",
-            )
+            what = f"a tensor on {node.device}"
+            fix = "it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a buffer."
         elif isinstance(node, nn.Module) and any(id(p) not in registered for p in node.parameters()):
-            yield Finding(
-                where + path,
-                "tensor-in-container",
-                f"{where}{path} is a {type(node).__name__} in a plain {kind} attribute: Module.to() will not move "
-                f"its parameters and buffers. Use nn.ModuleList or nn.ModuleDict.",
-            )
+            what, fix = f"a {type(node).__name__}", "its parameters and buffers. Use nn.ModuleList or nn.ModuleDict."
+        else:
+            continue
+        msg = f"{where}{path} is {what} in a plain {kind} attribute: Module.to() will not move {fix}"
+        yield Finding(where + path, "tensor-in-container", msg)
 
 
 def _split(name: str, module: nn.Module) -> Iterator[Finding]:
