@@ -40,12 +40,10 @@ def castable(dtype: torch.dtype) -> bool:
 
 
 def casts(t: torch.Tensor) -> bool:
-    """Whether move()'s ``dtype=`` casts ``t``."""
     return castable(t.dtype)
 
 
 def cast_to(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
-    """What a tensor of ``dtype`` becomes under move()'s ``dtype=cast``."""
     return cast if cast is not None and castable(dtype) else dtype
 
 
@@ -79,7 +77,6 @@ def skip_set(skip_keys: Any) -> frozenset[Any]:
 
 
 def check_bool(value: Any, name: str, takes: str = "True or False") -> None:
-    """A TypeError naming ``name`` unless ``value`` is True or False."""
     if value is not True and value is not False:
         msg = f"Cannot move with {name}={value!r}: {name} takes {takes}."
         raise TypeError(msg)
@@ -98,8 +95,7 @@ def check(
 ) -> tuple[torch.device, frozenset[Any]]:
     """Every option of move(), prefetch() and collate() checked, in this order, by one rule each: the target device
     (``"cuda"`` left without its index) and the keys to skip, or the error that names the option, the value and the
-    fix. ``dev``: the device, checked already (by the plan these arguments found).
-    """
+    fix. ``dev``: the device, checked already (by the plan these arguments found)."""
     if dev is None:
         dev = _stream.resolve_device(device, current=False)
     check_bool(non_blocking, "non_blocking")
