@@ -85,10 +85,9 @@ def _invalid(device: object, why: str, verb: str = "move to") -> ValueError:
 
 
 def resolve_device(device: DeviceLike | None, verb: str = "move to", current: bool = True) -> torch.device:
-    """The torch.device for ``device``, or ValueError/TypeError naming it (and ``verb``, "check against" for one).
-    ``"cpu:0"`` is ``"cpu"`` and ``"meta:0"`` is ``"meta"``, as tensors say (``as_tensors_say``). An accelerator named
-    without an index (``"cuda"``) means its current device, as ``.to()`` reads it: that index is filled in, unless
-    ``current`` is False, for a caller that fills it in on each call, since the current device can change."""
+    """The torch.device for ``device``, or a ValueError/TypeError naming it (and ``verb``). ``"cpu:0"`` is ``"cpu"``,
+    as tensors say. An accelerator named without an index (``"cuda"``) means its current device, as ``.to()`` reads it,
+    filled in unless ``current`` is False (for a caller that fills it in on each call: the current one can change)."""
     if device is None:
         msg = (
             f"Cannot {verb} device None: name the device, such as 'cuda', 'cuda:1', 0 or torch.device('cpu'). "
