@@ -107,8 +107,7 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
     want = _stream.resolve_device(device, "check against") if device is not None else None  # "cpu:0" is "cpu"
     by_device: dict[torch.device, list[str]] = {}
     for i, obj in enumerate(objs):
-        prefix = f"objs[{i}]" if len(objs) > 1 else ""
-        for path, t in _tensors(obj, prefix):
+        for path, t in _tensors(obj, f"objs[{i}]" if len(objs) > 1 else ""):
             by_device.setdefault(t.device, []).append(path)
     if want is not None:
         wrong = {dev: paths for dev, paths in by_device.items() if dev != want}
