@@ -186,11 +186,10 @@ def audit(module: nn.Module, /) -> list[Finding]:
     registered = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     findings: list[Finding] = []
     for name, sub in module.named_modules():
-        prefix = f"{name}." if name else ""
         for attr, value in vars(sub).items():
             if attr in ("_parameters", "_buffers", "_modules"):
                 continue
-            where = prefix + attr
+            where = f"{name}.{attr}" if name else attr
             if isinstance(value, torch.Tensor):
                 if id(value) not in registered and not _recomputed(sub, attr):
                     msg = (
@@ -330,10 +329,9 @@ class _Hook:
         ]
         if not wrong:
             return
-        where = _listing(wrong)
         name = f"Module {self.name}" if self.name else "The top module"
         msg = (
-            f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "
+            f"{name} ({type(self.module).__name__}) is on {want}, but its input {_listing(wrong)}. "
             f"Move the input with todevice.move(x, {str(want)!r}), or the module with module.to(...); "
             f"an input that belongs where it is goes in guard(model, ignore=[...])."
         )
