@@ -13,8 +13,7 @@ import torch
 
 DeviceLike = Union[str, int, torch.device]
 
-# Devices that always exist and never need a wait.
-HOST_TYPES = frozenset({"cpu", "meta"})
+HOST_TYPES = frozenset({"cpu", "meta"})  # devices that always exist and never need a wait
 
 
 def _backend(device_type: str) -> types.ModuleType | None:
