@@ -195,7 +195,6 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
 
 
 def _holds_floating(obj: Any) -> bool:
-    """Whether an object with ``.to()`` holds a floating-point or complex tensor, as far as ``inside`` shows."""
     try:
         return any(isinstance(node, torch.Tensor) and casts(node) for _, node in paths([v for _, v in inside(obj)]))
     except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide
