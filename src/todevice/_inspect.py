@@ -22,14 +22,12 @@ _Tensor = torch.Tensor
 def _tensors(
     obj: Any, prefix: str = "", views: list[torch.Tensor] | None = None, within: dict[int, str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, tensor) for every tensor in ``obj``, at every place it is reached; a module's by qualified name. An
-    object with its own ``.to()`` is looked into (its fields, items or attributes), and so is a PackedBatch (views of
-    its buffer fill its skeleton's slots). ``within`` holds the ``.to()`` objects being looked into, by id, with their
-    paths: one that holds itself, or its parent, is a cycle."""
+    """(path, tensor) for every tensor in ``obj``, wherever reached; a module's by qualified name. A ``.to()`` object
+    is looked into (``_own_to.inside``), a PackedBatch too (its buffer's views fill its slots). ``within``: the
+    ``.to()`` objects being looked into, by id, with their paths: one that holds itself or its parent is a cycle."""
     if isinstance(obj, nn.Module):
-        sep = "." if prefix else ""
-        for name, t in [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]:
-            yield f"{prefix}{sep}{name}", t
+        yield from obj.named_parameters(prefix, remove_duplicate=False)  # each named prefix.name, or name
+        yield from obj.named_buffers(prefix, remove_duplicate=False)
         return
     try:
         for path, node in _walk.paths(obj, revisit=True):
@@ -43,9 +41,8 @@ def _tensors(
                 yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:
                 within = {} if within is None else within
-                first = within.get(id(node))
-                if first is not None:
-                    raise _walk.CycleError(first, prefix + path, node)
+                if id(node) in within:
+                    raise _walk.CycleError(within[id(node)], prefix + path, node)
                 within[id(node)] = prefix + path
                 for part, inner in _own_to.inside(node):
                     yield from _tensors(inner, prefix + path + part, within=within)
@@ -77,6 +74,10 @@ def _listing(paths: list[str]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
+def _where(by_device: dict[torch.device, list[str]]) -> str:
+    return "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in by_device.items())
+
+
 def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
     """The one device all tensors in ``objs`` are on, or DeviceMismatchError naming where each one is.
 
@@ -106,24 +107,21 @@ def check(*objs: Any, device: DeviceLike | None = None) -> torch.device | None:
     want = _stream.resolve_device(device, "check against") if device is not None else None  # "cpu:0" is "cpu"
     by_device: dict[torch.device, list[str]] = {}
     for i, obj in enumerate(objs):
-        prefix = f"objs[{i}]" if len(objs) > 1 else ""
-        for path, t in _tensors(obj, prefix):
+        for path, t in _tensors(obj, f"objs[{i}]" if len(objs) > 1 else ""):
             by_device.setdefault(t.device, []).append(path)
     if want is not None:
         wrong = {dev: paths for dev, paths in by_device.items() if dev != want}
         if wrong:
             count = sum(len(p) for p in wrong.values())
-            where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in wrong.items())
             msg = (
-                f"Expected every tensor on {want}, found {count} elsewhere: {where}. "
+                f"Expected every tensor on {want}, found {count} elsewhere: {_where(wrong)}. "
                 f"Move them with todevice.move(obj, {str(want)!r}), or module.to({str(want)!r})."
             )
             raise DeviceMismatchError(msg)
         return want if by_device else None
     if len(by_device) > 1:
-        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in by_device.items())
         msg = (
-            f"Expected every tensor on one device, found {len(by_device)}: {where}. "
+            f"Expected every tensor on one device, found {len(by_device)}: {_where(by_device)}. "
             f"Move them with todevice.move(obj, device), or module.to(device)."
         )
         raise DeviceMismatchError(msg)
@@ -188,11 +186,10 @@ def audit(module: nn.Module, /) -> list[Finding]:
     registered = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     findings: list[Finding] = []
     for name, sub in module.named_modules():
-        prefix = f"{name}." if name else ""
         for attr, value in vars(sub).items():
             if attr in ("_parameters", "_buffers", "_modules"):
                 continue
-            where = prefix + attr
+            where = f"{name}.{attr}" if name else attr
             if isinstance(value, torch.Tensor):
                 if id(value) not in registered and not _recomputed(sub, attr):
                     msg = (
@@ -219,32 +216,24 @@ def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Find
     kind = type(value).__name__
     for path, node in _walk.paths(value):
         if isinstance(node, torch.Tensor) and id(node) not in registered:  # not a view of a parameter (RNNs)
-            yield Finding(
-                where + path,
-                "tensor-in-container",
-                f"{where}{path} is a tensor on {node.device} in a plain {kind} attribute: Module.to() will not "
-                f"move it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a "
-                f"buffer.",
-            )
+            what = f"a tensor on {node.device}"
+            fix = "it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a buffer."
         elif isinstance(node, nn.Module) and any(id(p) not in registered for p in node.parameters()):
-            yield Finding(
-                where + path,
-                "tensor-in-container",
-                f"{where}{path} is a {type(node).__name__} in a plain {kind} attribute: Module.to() will not move "
-                f"its parameters and buffers. Use nn.ModuleList or nn.ModuleDict.",
-            )
+            what, fix = f"a {type(node).__name__}", "its parameters and buffers. Use nn.ModuleList or nn.ModuleDict."
+        else:
+            continue
+        msg = f"{where}{path} is {what} in a plain {kind} attribute: Module.to() will not move {fix}"
+        yield Finding(where + path, "tensor-in-container", msg)
 
 
 def _split(name: str, module: nn.Module) -> Iterator[Finding]:
     """Parameters and buffers of one module on more than one device (a model split across devices on
     purpose, one module per device, is not reported)."""
-    prefix = f"{name}." if name else ""
     split: dict[torch.device, list[str]] = {}
-    for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        split.setdefault(t.device, []).append(prefix + n)
+    for n, t in [*module.named_parameters(name, recurse=False), *module.named_buffers(name, recurse=False)]:
+        split.setdefault(t.device, []).append(n)
     if len(split) > 1:
-        where = "; ".join(f"{dev}: {_listing(paths)}" for dev, paths in split.items())
-        msg = f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({where}). "
+        msg = f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({_where(split)}). "
         yield Finding(name, "split-devices", msg + "Move the module whole with module.to(device).")
 
 
@@ -340,10 +329,9 @@ class _Hook:
         ]
         if not wrong:
             return
-        where = _listing(wrong)
         name = f"Module {self.name}" if self.name else "The top module"
         msg = (
-            f"{name} ({type(self.module).__name__}) is on {want}, but its input {where}. "
+            f"{name} ({type(self.module).__name__}) is on {want}, but its input {_listing(wrong)}. "
             f"Move the input with todevice.move(x, {str(want)!r}), or the module with module.to(...); "
             f"an input that belongs where it is goes in guard(model, ignore=[...])."
         )

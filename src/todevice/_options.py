@@ -17,7 +17,7 @@ from todevice import _stream
 COALESCE_MAX_BYTES = 64 * 1024
 
 
-def check_dtype(dtype: object) -> torch.dtype:
+def check_dtype(dtype: object) -> None:
     if not isinstance(dtype, torch.dtype):
         named = getattr(torch, dtype, None) if isinstance(dtype, str) else None
         meant = isinstance(named, torch.dtype) and castable(named)  # one move() casts to
@@ -31,23 +31,19 @@ def check_dtype(dtype: object) -> torch.dtype:
             f"torch.float16. Cast integer tensors yourself with tensor.to(dtype)."
         )
         raise TypeError(msg)
-    return dtype
 
 
-# The cast rule, in one place: dtype= casts floating-point and complex tensors, as nn.Module.to(dtype) does; integer
-# and bool tensors keep theirs.
 def castable(dtype: torch.dtype) -> bool:
-    """Whether move()'s ``dtype=`` casts a tensor of ``dtype``."""
+    """Whether move()'s ``dtype=`` casts a tensor of ``dtype``: floating-point and complex ones, as nn.Module.to(dtype)
+    does; integer and bool tensors keep theirs. The cast rule, in one place."""
     return dtype.is_floating_point or dtype.is_complex
 
 
 def casts(t: torch.Tensor) -> bool:
-    """Whether move()'s ``dtype=`` casts ``t``."""
     return castable(t.dtype)
 
 
 def cast_to(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
-    """What a tensor of ``dtype`` becomes under move()'s ``dtype=cast``."""
     return cast if cast is not None and castable(dtype) else dtype
 
 
@@ -81,7 +77,6 @@ def skip_set(skip_keys: Any) -> frozenset[Any]:
 
 
 def check_bool(value: Any, name: str, takes: str = "True or False") -> None:
-    """A TypeError naming ``name`` unless ``value`` is True or False."""
     if value is not True and value is not False:
         msg = f"Cannot move with {name}={value!r}: {name} takes {takes}."
         raise TypeError(msg)
@@ -100,8 +95,7 @@ def check(
 ) -> tuple[torch.device, frozenset[Any]]:
     """Every option of move(), prefetch() and collate() checked, in this order, by one rule each: the target device
     (``"cuda"`` left without its index) and the keys to skip, or the error that names the option, the value and the
-    fix. ``dev``: the device, checked already (by the plan these arguments found).
-    """
+    fix. ``dev``: the device, checked already (by the plan these arguments found)."""
     if dev is None:
         dev = _stream.resolve_device(device, current=False)
     check_bool(non_blocking, "non_blocking")

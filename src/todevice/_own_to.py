@@ -70,8 +70,7 @@ def copy_for_to(obj: Any) -> Any:
                 f"todevice.register()."
             )
             raise LeafError(obj, TypeError(msg)) from None
-    if any(type(v) in _PLAIN_CONTAINERS for v in state.values()):
-        _copy_plain_containers(state)
+    _copy_plain_containers(state)
     return target
 
 
@@ -110,12 +109,11 @@ def rest_of_mapping(
     dev: torch.device,
     dtype: torch.dtype | None,
 ) -> Any:
-    """``out``, a mapping its own ``.to()`` moved (a BatchEncoding's, which moves only what has a ``.to()``), finished
-    as move()'s walk would: a container item moved by ``move_item``; each tensor its ``.to()`` copied as move() would
-    (to ``dev``, cast as move() casts) given to ``once(source, copy)``, which answers with the move's one copy of that
-    source, so a tensor held twice stays one; one it left or copied otherwise kept, never standing for the source
-    elsewhere; an item under ``skip``'s keys put back as ``obj`` holds it. Written with ``out[key] = ...``: an item
-    ``out`` refuses stays; an ``out`` not a mutable mapping, too."""
+    """``out``, a mapping its own ``.to()`` moved (a BatchEncoding's moves only what has a ``.to()``), finished as
+    move()'s walk would: a container item by ``move_item``; a tensor its ``.to()`` copied as move() would (to ``dev``,
+    cast as move() casts) given to ``once(source, copy)``, which answers with the move's one copy of it (a tensor held
+    twice stays one); one left or copied otherwise kept, never standing for the source; an item under ``skip`` put back
+    as ``obj`` holds it. Written with ``out[key] = ...``: an item ``out`` refuses stays, an immutable ``out`` too."""
     items = _items(out)
     if items is out and not isinstance(out, collections.abc.MutableMapping):
         return out
@@ -197,7 +195,6 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
 
 
 def _holds_floating(obj: Any) -> bool:
-    """Whether an object with ``.to()`` holds a floating-point or complex tensor, as far as ``inside`` shows."""
     try:
         return any(isinstance(node, torch.Tensor) and casts(node) for _, node in paths([v for _, v in inside(obj)]))
     except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide

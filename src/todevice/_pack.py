@@ -64,9 +64,8 @@ def pack(obj: Any, /, *, shared: bool = False, max_bytes: int | None = _options.
         msg = "Cannot pack a structure nested deeper than Python's recursion limit; move() handles it."
         raise ValueError(msg) from err
     tensors = taken.tensors
-    requires_grad: tuple[int, ...] = ()
-    if any(map(_layout.requires_grad, tensors)):
-        requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad)
+    grad = any(map(_layout.requires_grad, tensors))  # one pass in C; the slots only where a tensor requires grad
+    requires_grad = tuple(k for k, t in enumerate(tensors) if t.requires_grad) if grad else ()
     for k in requires_grad:
         tensors[k] = tensors[k].detach()  # stack(out=) refuses inputs that require grad
     nbytes = taken.layout.nbytes

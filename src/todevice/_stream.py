@@ -13,8 +13,7 @@ import torch
 
 DeviceLike = Union[str, int, torch.device]
 
-# Devices that always exist and never need a wait.
-HOST_TYPES = frozenset({"cpu", "meta"})
+HOST_TYPES = frozenset({"cpu", "meta"})  # devices that always exist and never need a wait
 
 
 def _backend(device_type: str) -> types.ModuleType | None:
@@ -24,7 +23,6 @@ def _backend(device_type: str) -> types.ModuleType | None:
 
 
 def _forwarded(name: str) -> Any:
-    """A method of ``_Backend`` that makes the call ``name`` on its module."""
     return lambda self, *args, **kwargs: getattr(self._module(), name)(*args, **kwargs)
 
 
@@ -85,7 +83,10 @@ def _invalid(device: object, why: str, verb: str = "move to") -> ValueError:
     return ValueError(f"Cannot {verb} device {device!r}: {why} Devices here: {', '.join(available_devices())}.")
 
 
-def _device_arg(device: object, verb: str = "move to") -> torch.device:
+def resolve_device(device: DeviceLike | None, verb: str = "move to", current: bool = True) -> torch.device:
+    """The torch.device for ``device``, or a ValueError/TypeError naming it (and ``verb``). ``"cpu:0"`` is ``"cpu"``,
+    as tensors say. An accelerator named without an index (``"cuda"``) means its current device, as ``.to()`` reads it,
+    filled in unless ``current`` is False (for a caller that fills it in on each call: the current one can change)."""
     if device is None:
         msg = (
             f"Cannot {verb} device None: name the device, such as 'cuda', 'cuda:1', 0 or torch.device('cpu'). "
@@ -113,46 +114,32 @@ def _device_arg(device: object, verb: str = "move to") -> torch.device:
     else:
         dev = device
     if dev.type in HOST_TYPES:
-        return dev
+        return as_tensors_say(dev)
     mod = _backend(dev.type)
     if mod is None:
-        # No torch.<type> module (xla, hpu, lazy, ...): ask for an empty tensor there, the one
-        # probe that every backend answers, before anything is copied.
+        # No torch.<type> module (xla, hpu, lazy, ...), so nothing to ask below: ask for an empty tensor there, the
+        # one probe that every backend answers, before anything is copied.
         try:
             torch.empty(0, device=dev)
         except Exception as err:
             raise _invalid(device, f"no {dev.type} backend answers here ({type(err).__name__}).", verb) from err
-        return dev
     is_available = getattr(mod, "is_available", None)
     if callable(is_available) and not is_available():
         raise _invalid(device, f"{dev.type} is not available on this machine.", verb)
     device_count = getattr(mod, "device_count", None)
     if dev.index is not None and callable(device_count) and dev.index >= device_count():
         raise _invalid(device, f"there are {device_count()} {dev.type} devices here.", verb)
+    if current and means_current(dev):
+        return torch.device(dev.type, current_index())
     return dev
 
 
 def current_index() -> int:
-    """The current accelerator device's index."""
     return accel.current_device_index()  # type: ignore[no-any-return]
 
 
 def set_index(index: int) -> None:
-    """Make device ``index`` of the accelerator current."""
     accel.set_device_index(index)
-
-
-def resolve_device(device: DeviceLike, verb: str = "move to", current: bool = True) -> torch.device:
-    """The torch.device for ``device``, or ValueError/TypeError naming it (and ``verb``, "check against" for one).
-    ``"cpu:0"`` is ``"cpu"`` and ``"meta:0"`` is ``"meta"``, as tensors say (``as_tensors_say``). An accelerator named
-    without an index (``"cuda"``) means its current device, as ``.to()`` reads it: that index is filled in, unless
-    ``current`` is False, for a caller that fills it in on each call, since the current device can change."""
-    dev = _device_arg(device, verb)
-    if dev.type in HOST_TYPES:
-        return as_tensors_say(dev)
-    if current and means_current(dev):
-        return torch.device(dev.type, current_index())
-    return dev
 
 
 def as_tensors_say(dev: torch.device) -> torch.device:
@@ -195,9 +182,8 @@ def devices_in_use() -> list[torch.device]:
 
 
 def on_device(device: torch.device) -> Any:
-    """A context in which ``device`` is the current accelerator device (nothing to do for the host). CUDA makes a
-    process's context on the current device the first time it needs one, pinned host memory included: allocations made
-    for a target are made under that target's device."""
+    """A context in which ``device`` is the current accelerator device. CUDA makes a process's context on the current
+    device when first needed, pinned host memory included: a target's allocations are made under its device."""
     if device.index is None or not is_accelerator(device) or device.index == current_index():
         return contextlib.nullcontext()
     return accel.device_index(device.index)
@@ -258,10 +244,9 @@ def check_stream(stream: Any) -> None:
 
 
 def issuing(stream: torch.Stream | None, device: torch.device) -> torch.Stream | None:
-    """The stream a move to ``device`` issues its copies on: ``stream``, or None for a host stream with a host target.
-    The host has no streams to order (``torch.Stream(device="cpu")`` names none that an accelerator call accepts), and a
-    copy into host memory from host memory is made as it is called; so a device-agnostic loop that makes its stream with
-    ``torch.Stream(device=device)`` moves to the CPU as without one, as a compiled move does with any stream."""
+    """The stream a move to ``device`` issues its copies on: ``stream``, or None for a host stream with a host target,
+    which has no streams to order and copies as called: a loop's ``torch.Stream(device=device)`` moves to the CPU as
+    without one, as a compiled move does with any stream."""
     if stream is not None and device.type in HOST_TYPES and stream.device.type in HOST_TYPES:
         return None
     return stream
