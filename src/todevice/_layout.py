@@ -308,22 +308,27 @@ COALESCE_MIN_TENSORS = 16
 COALESCED_MAX_BYTES = 4 * 1024 * 1024
 
 
-def parts(
-    tensors: list[torch.Tensor], lay: Layout, cast: torch.dtype | None
-) -> list[tuple[list[torch.Tensor], Layout]]:
-    """``tensors`` in runs of at most ``COALESCED_MAX_BYTES``, each with its layout: one buffer and one copy each."""
-    if lay.nbytes <= COALESCED_MAX_BYTES:
-        return [(tensors, lay)]
-    out: list[tuple[list[torch.Tensor], Layout]] = []
-    start, nbytes = 0, 0
-    for i, t in enumerate(tensors):
-        size = _aligned(t.numel() * _buffer_dtype(t.dtype, cast)[0].itemsize)
-        if nbytes + size > COALESCED_MAX_BYTES and i > start:
-            out.append((tensors[start:i], layout_for(tensors[start:i], cast)))
-            start, nbytes = i, 0
-        nbytes += size
-    out.append((tensors[start:], layout_for(tensors[start:], cast)))
-    return out
+def sent(
+    tensors: list[torch.Tensor], lay: Layout, cast: torch.dtype | None, dev: torch.device, send: Callable[..., Any]
+) -> list[torch.Tensor]:
+    """``tensors`` written into host staging buffers for ``dev``, each handed to ``send``, which gives back its views:
+    in runs of at most ``COALESCED_MAX_BYTES``, one buffer and one copy each."""
+    runs = [(tensors, lay)]
+    if lay.nbytes > COALESCED_MAX_BYTES:
+        runs, start, nbytes = [], 0, 0
+        for i, t in enumerate(tensors):
+            size = _aligned(t.numel() * _buffer_dtype(t.dtype, cast)[0].itemsize)
+            if nbytes + size > COALESCED_MAX_BYTES and i > start:
+                runs.append((tensors[start:i], layout_for(tensors[start:i], cast)))
+                start, nbytes = i, 0
+            nbytes += size
+        runs.append((tensors[start:], layout_for(tensors[start:], cast)))
+    views: list[torch.Tensor] = []
+    for part, one in runs:
+        buffer = staging(one.nbytes, dev)[0]
+        write(buffer, one, part)
+        views += send(buffer, one)
+    return views
 
 
 def layout_for(tensors: Sequence[torch.Tensor], cast: torch.dtype | None) -> Layout:
