@@ -388,12 +388,12 @@ def _to_object(obj: Any, s: State) -> Any:
     held = _own_to.devices_inside(obj) if p.to_host else None  # before .to(), which may move obj's insides in place
     streams = s.streams
     if streams is not None:
-        _stream.set_stream(streams[0])
+        _stream.accel.set_stream(streams[0])
     try:
         out = _own_to.to_object(obj, p.dev, _layout.asynchronous(p.non_blocking, p.dev), p.dtype)
     finally:
         if streams is not None:
-            _stream.set_stream(streams[1])
+            _stream.accel.set_stream(streams[1])
     if held:
         s.waits.update(held)
     s.memo[id(obj)] = (obj, out)  # before its items are walked: one that holds obj itself gets out

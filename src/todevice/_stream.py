@@ -221,10 +221,6 @@ def pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 # ---------------------------------------------------------------- streams
 
 
-def set_stream(stream: torch.Stream) -> None:
-    accel.set_stream(stream)
-
-
 class Entered(NamedTuple):
     """What :func:`enter_stream` changed: the user's stream on the side stream's device, and the current device."""
 
