@@ -81,8 +81,7 @@ TRACES = _RELEASE >= (2, 11)
 
 
 def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` run outside the graph (``_outside_graph``) before torch 2.11, named ``name`` in dynamo's error; from
-    torch 2.11, ``fn`` itself."""
+    """``fn`` from torch 2.11; before, ``fn`` run outside the graph, named ``name`` in dynamo's error."""
     if TRACES:
         return fn
     why = f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
@@ -141,14 +140,13 @@ def compiled(
     Every option is checked as the eager move checks it, with its exception and message (``_problem``); ``coalesce``,
     ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring).
     """
-    error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, strict, skip_keys)
+    error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, None, strict, skip_keys)
     if error:  # raised in the graph: dynamo runs the call as plain Python, which raises it again
         raise (TypeError if error == "TypeError" else ValueError)(msg)
     if stream is not None:
         _stream.check_stream(stream)
-    dev = _target(device)
     skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-    h = _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), dtype, skip)
+    h = _How(_target(device), non_blocking, dtype, skip)
     out = h.walk(obj, h)
     if strict and h.unknown:
         # The eager check, which lists every object not understood: it looks at each type through
@@ -158,14 +156,13 @@ def compiled(
 
 
 def _problem(*options: Any) -> tuple[str, str]:
-    """What ``_options.check`` says of move()'s options but the stream (which dynamo cannot pass in as a constant):
+    """What ``_options.check`` says of move()'s options, the stream None (dynamo cannot pass one in as a constant):
     ``("", "")``, or the name and message of its error, which the graph raises. Dynamo runs this as plain Python and
     keeps its result as a constant (the mark below), so it never traces torch's parsing of a device string, which fails
     inside dynamo itself; where dynamo compiles this frame on its own instead, the check it calls is left alone."""
-    device, non_blocking, dtype, coalesce, max_bytes, strict, skip_keys = options
     check = torch.compiler.disable(_options.check)  # type: ignore[no-untyped-call]
     try:
-        check(device, non_blocking, dtype, coalesce, max_bytes, None, strict, skip_keys)
+        check(*options)
     except (TypeError, ValueError) as err:
         return type(err).__name__, str(err)
     return "", ""
@@ -189,8 +186,9 @@ class _How:
 
     __slots__ = ("aliases", "copies", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views", "walk")
 
-    def __init__(self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
-        self.dev, self.nb, self.dtype, self.skip = dev, nb, dtype, skip
+    def __init__(self, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
+        self.dev, self.dtype, self.skip = dev, dtype, skip
+        self.nb = _layout.asynchronous(non_blocking, dev, waited=False)
         # The one walk, as the eager move makes it, with this move's leaves and dynamo's view of the kinds.
         self.walk = _walk.make(_layout.NEVER, _tensor, _leaf, _kind, _slot, skip, _kept).walk  # _one says what stays
         self.copies: dict[torch.Tensor, torch.Tensor] = {}
@@ -379,8 +377,7 @@ def _to_object(x: Any, h: _How) -> Any:
     if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
         named["dtype"] = h.dtype
     out = target.to(h.dev, **named)
-    if out is None:  # a .to() that moves the object in place and returns nothing
-        out = target
+    out = target if out is None else out  # a .to() that moves the object in place and returns nothing
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
         _own_to.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
@@ -400,8 +397,7 @@ def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
     and the copies are the compiler's to schedule anyway): its skeleton holds the tensors, which unpacking copies (those
     that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch packed outside is
     read as views of its buffer, which fill its slots."""
-    dev = _target(device)
-    return _unpacked(batch, _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), None, frozenset()))
+    return _unpacked(batch, _How(_target(device), non_blocking, None, frozenset()))
 
 
 def _unpacked(batch: Any, h: _How) -> Any:
@@ -418,14 +414,13 @@ def _unpacked(batch: Any, h: _How) -> Any:
     else:
         read = _layout.read(batch.buffer, lay)
         views = [_one(v, h) for v in read]
-        for k in batch.requires_grad:
-            views[k] = views[k].detach().requires_grad_()
         held = None
         if h.skip:  # the items to skip are filled where the buffer is, and nothing in them moves
             held = _How(batch.buffer.device, False, None, frozenset())
             held.views, held.aliases = read, {}
+        for made in (views, read) if h.skip else (views,):
             for k in batch.requires_grad:
-                read[k] = read[k].detach().requires_grad_()
+                made[k] = made[k].detach().requires_grad_()
         h.views, h.aliases, h.held, h.fresh = views, {}, held, False
     out = h.walk(batch.skeleton, h)
     h.views, h.aliases, h.held, h.fresh = outer
