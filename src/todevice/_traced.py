@@ -107,11 +107,9 @@ def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def compiling() -> Any:
-    """Truthy under torch.compile: traced by dynamo, or run as plain Python by a compiled function.
-
-    One C call. Dynamo cannot trace that call (it warns and breaks the graph), so where it traces a
-    call to this function it traces ``_traced_compiling`` instead, which says True.
-    """
+    """Truthy under torch.compile: traced by dynamo, or run as plain Python by a compiled function. One C call, which
+    dynamo cannot trace (it warns and breaks the graph): where it traces a call to this function, it traces
+    ``_traced_compiling`` instead, which says True."""
     return _eval_frame_callback()
 
 
@@ -135,11 +133,9 @@ def compiled(
     strict: bool = False,
     skip_keys: Hashable | Collection[Hashable] | None = None,
 ) -> Any:
-    """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs).
-
-    Every option is checked as the eager move checks it, with its exception and message (``_problem``); ``coalesce``,
-    ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring).
-    """
+    """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs). Every
+    option is checked as the eager move checks it, with its exception and message (``_problem``); ``coalesce``,
+    ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring)."""
     error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, None, strict, skip_keys)
     if error:  # raised in the graph: dynamo runs the call as plain Python, which raises it again
         raise (TypeError if error == "TypeError" else ValueError)(msg)
@@ -254,11 +250,10 @@ def _kind(tp: type) -> _tree.Kind:
 
 
 def _form(tp: type) -> int:
-    """Where ``_FORMS`` holds what the walk under torch.compile does with ``tp``: its kind's code for a leaf, the form
-    its rule names for a container, or NODE for a container taken by its own rule. Dynamo runs it while tracing and
-    puts its result in the graph as a constant (the mark below is what ``torch.compiler.assume_constant_result`` sets,
-    without importing dynamo here): the classification is not traced, so an unknown leaf, a numpy value or a path does
-    not break the graph. It guards on ``type(x)``."""
+    """Where ``_FORMS`` holds what the walk does with ``tp`` (NODE: a container taken by its own rule), a constant in
+    the graph (the mark below is what ``torch.compiler.assume_constant_result`` sets, without importing dynamo here):
+    the classification is not traced, so an unknown leaf, a numpy value or a path does not break the graph. It guards
+    on ``type(x)``."""
     kind = _tree.kind_of(tp)
     return kind.form if kind.code == _tree.NODE else kind.code
 
@@ -367,14 +362,12 @@ def _to_object(x: Any, h: _How) -> Any:
     if out is not None:
         return out
     tp = type(x)
-    target: Any = x
-    if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
-        if not LISTS_ATTRIBUTES:
-            torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
-        target = _own_to.copy_for_to(x)
+    sequence = isinstance(x, torch.nn.utils.rnn.PackedSequence)
+    if not sequence and not LISTS_ATTRIBUTES:
+        torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
+    target = x if sequence else _own_to.copy_for_to(x)
     named: dict[str, Any] = {"non_blocking": h.nb} if _tree.to_takes(tp, "non_blocking") else {}  # eager's order
-    floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
-    if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
+    if h.dtype is not None and _tree.to_takes(tp, "dtype") and (not sequence or _options.casts(x.data)):
         named["dtype"] = h.dtype
     out = target.to(h.dev, **named)
     out = target if out is None else out  # a .to() that moves the object in place and returns nothing
@@ -408,8 +401,7 @@ def _unpacked(batch: Any, h: _How) -> Any:
     lay = batch.layout
     outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
     if not lay.order:
-        # Packed under torch.compile, its tensors are the structure's own: copied, as the eager unpack reads copies out
-        # of the buffer. Packed outside with every tensor left loose, they come back as they are, as eagerly.
+        # Packed under torch.compile: copied (see unpack). Packed outside, each tensor loose: as they are, as eagerly.
         h.fresh = lay is NOTHING_PACKED
     else:
         read = _layout.read(batch.buffer, lay)
