@@ -82,10 +82,8 @@ TRACES = _RELEASE >= (2, 11)
 
 def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """``fn`` from torch 2.11; before, ``fn`` run outside the graph, named ``name`` in dynamo's error."""
-    if TRACES:
-        return fn
     why = f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
-    return _outside_graph(fn, why)
+    return fn if TRACES else _outside_graph(fn, why)
 
 
 def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -108,16 +106,12 @@ def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 def compiling() -> Any:
     """Truthy under torch.compile: traced by dynamo, or run as plain Python by a compiled function. One C call, which
-    dynamo cannot trace (it warns and breaks the graph): where it traces a call to this function, it traces
-    ``_traced_compiling`` instead, which says True."""
+    dynamo cannot trace (it warns and breaks the graph): where it traces a call to this function, it traces the one
+    below instead, which says True."""
     return _eval_frame_callback()
 
 
-def _traced_compiling() -> bool:
-    return True
-
-
-compiling._torchdynamo_inline = _traced_compiling  # type: ignore[attr-defined]
+compiling._torchdynamo_inline = lambda: True  # type: ignore[attr-defined]
 
 
 def compiled(
