@@ -46,8 +46,7 @@ from todevice import _layout, _options, _own_to, _passed, _stream, _tree, _walk
 _RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (2, 11) for "2.11.0a0+git..." too
 
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
-# (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
-# dataclass is rebuilt from its fields, and what needs the list breaks the graph with a message.
+# (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``.
 LISTS_ATTRIBUTES = _RELEASE >= (2, 12)  # compared as numbers: "2.9" >= "2.12" as strings
 
 _EVAL_FRAME = torch._C._dynamo.eval_frame
@@ -179,7 +178,6 @@ class _How:
     def __init__(self, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
         self.dev, self.dtype, self.skip = dev, dtype, skip
         self.nb = _layout.asynchronous(non_blocking, dev, waited=False)
-        # The one walk, as the eager move makes it, with this move's leaves and dynamo's view of the kinds.
         self.walk = _walk.make(_layout.NEVER, _tensor, _leaf, _kind, _slot, skip, _kept).walk  # _one says what stays
         self.copies: dict[torch.Tensor, torch.Tensor] = {}
         self.memo: list[tuple[Any, Any]] = []
@@ -233,8 +231,7 @@ def _leaf(x: Any, code: int, h: _How) -> Any:
 
 
 def _kind(tp: type) -> _tree.Kind:
-    """The walk's ``kind_of``, as dynamo traces it: a registered or built-in container's rule, read from the dicts
-    that hold it by type; any other type's, or the form written for dynamo that its rule names (``_form``)."""
+    """The walk's ``kind_of`` as dynamo traces it: a registered or built-in container's rule, else by ``_form``."""
     kind = _tree._registry.get(tp) or _BUILTIN.get(tp)  # without the lock, as _tree reads it (kind_of takes it)
     if kind is not None:
         return kind
@@ -381,9 +378,8 @@ NOTHING_PACKED = _layout.Layout((), 0, (), ())
 def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
     """``PackedBatch.unpack()`` under torch.compile: its tensors moved one by one. A batch packed under torch.compile
     packed nothing (writing tensors of several dtypes into one byte buffer is an input mutation that inductor refuses,
-    and the copies are the compiler's to schedule anyway): its skeleton holds the tensors, which unpacking copies (those
-    that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch packed outside is
-    read as views of its buffer, which fill its slots."""
+    and the copies are the compiler's to schedule anyway): its skeleton holds the tensors, which unpacking copies, as
+    the eager unpack reads copies out of the buffer. A batch packed outside is read as views of its buffer."""
     return _unpacked(batch, _How(_target(device), non_blocking, None, frozenset()))
 
 
