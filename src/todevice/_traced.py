@@ -225,7 +225,7 @@ def _leaf(x: Any, code: int, h: _How) -> Any:
     if code == _tree.PACKED:
         return _unpacked(x, h)
     if code == _tree.SUBSET:
-        return _subset_outside_graph(x, h)
+        return _untraced_subset(x, h)
     h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
     return x
 
@@ -333,9 +333,7 @@ def _subset(x: Any, h: _How) -> Any:
 
 
 # Moved as plain Python: the graph breaks there (fullgraph=True raises).
-_subset_outside_graph = _outside_graph(
-    _subset, "todevice.move() of a set or frozenset subclass, which dynamo cannot make"
-)
+_untraced_subset = _outside_graph(_subset, "todevice.move() of a set or frozenset subclass, which dynamo cannot make")
 
 
 def _met(x: Any, h: _How) -> Any:
