@@ -192,21 +192,17 @@ def _window(
     the one in use. An exception from ``source`` reaches the loop after the batches before it; ``abandon`` runs when
     the loop stops early with batches in flight."""
     pending: collections.deque[Any] = collections.deque()
-    failed: BaseException | None = None  # raised once the batches before it have been used
-
-    def refill() -> None:
-        nonlocal failed
-        while failed is None and len(pending) < depth:
-            try:
-                pending.append(start(next(source)))
-            except Exception as err:  # StopIteration too: the end
-                failed = err
-
+    failed: Exception | None = None  # raised once the batches before it have been used
     try:
-        refill()
-        while pending:
+        while True:
+            while failed is None and len(pending) < depth:
+                try:
+                    pending.append(start(next(source)))
+                except Exception as err:  # StopIteration too: the end
+                    failed = err
+            if not pending:
+                break
             yield finish(pending.popleft())
-            refill()
         if failed is not None and not isinstance(failed, StopIteration):
             raise failed
     finally:
