@@ -24,10 +24,9 @@ def _stack(batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Te
     # worker. The small fields are packed into one buffer right after, so theirs would be waste;
     # a large field stays a tensor of its own, and goes there as default_collate puts it.
     elem = batch[0]
-    if not _tree.has_memory(elem) or elem.nbytes * len(batch) > _options.COALESCE_MAX_BYTES:
-        stacked: torch.Tensor = collate_tensor_fn(batch)  # refuses nested and sparse ones, with torch's message
-        return stacked
-    return torch.stack(batch, 0)
+    if _tree.has_memory(elem) and elem.nbytes * len(batch) <= _options.COALESCE_MAX_BYTES:
+        return torch.stack(batch, 0)
+    return collate_tensor_fn(batch)  # type: ignore[no-any-return]  # refuses nested and sparse ones in torch's words
 
 
 # default_collate's rules, with plain stacking for tensors: same values and types, no shared memory.
@@ -193,23 +192,17 @@ def _window(
     the one in use. An exception from ``source`` reaches the loop after the batches before it; ``abandon`` runs when
     the loop stops early with batches in flight."""
     pending: collections.deque[Any] = collections.deque()
-    failed: BaseException | None = None  # raised once the batches before it have been used
-
-    def refill() -> None:
-        nonlocal failed
-        while failed is None and len(pending) < depth:
-            try:
-                pending.append(start(next(source)))
-            except StopIteration:
-                failed = StopIteration()
-            except Exception as err:
-                failed = err
-
+    failed: Exception | None = None  # raised once the batches before it have been used
     try:
-        refill()
-        while pending:
+        while True:
+            while failed is None and len(pending) < depth:
+                try:
+                    pending.append(start(next(source)))
+                except Exception as err:  # StopIteration too: the end
+                    failed = err
+            if not pending:
+                break
             yield finish(pending.popleft())
-            refill()
         if failed is not None and not isinstance(failed, StopIteration):
             raise failed
     finally:

@@ -46,8 +46,7 @@ from todevice import _layout, _options, _own_to, _passed, _stream, _tree, _walk
 _RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (2, 11) for "2.11.0a0+git..." too
 
 # Dynamo before torch 2.12 reads an instance's ``__dict__`` only by key: it cannot list it
-# (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``. There a
-# dataclass is rebuilt from its fields, and what needs the list breaks the graph with a message.
+# (``vars(x).items()``, ``len(x.__dict__)``, iterating it all fail) nor call ``copy.copy``.
 LISTS_ATTRIBUTES = _RELEASE >= (2, 12)  # compared as numbers: "2.9" >= "2.12" as strings
 
 _EVAL_FRAME = torch._C._dynamo.eval_frame
@@ -81,12 +80,9 @@ TRACES = _RELEASE >= (2, 11)
 
 
 def untraced(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` run outside the graph (``_outside_graph``) before torch 2.11, named ``name`` in dynamo's error; from
-    torch 2.11, ``fn`` itself."""
-    if TRACES:
-        return fn
+    """``fn`` from torch 2.11; before, ``fn`` run outside the graph, named ``name`` in dynamo's error."""
     why = f"{name}, which torch.compile traces from torch 2.11: torch {torch.__version__} runs it outside the graph"
-    return _outside_graph(fn, why)
+    return fn if TRACES else _outside_graph(fn, why)
 
 
 def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -108,19 +104,13 @@ def _outside_graph(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def compiling() -> Any:
-    """Truthy under torch.compile: traced by dynamo, or run as plain Python by a compiled function.
-
-    One C call. Dynamo cannot trace that call (it warns and breaks the graph), so where it traces a
-    call to this function it traces ``_traced_compiling`` instead, which says True.
-    """
+    """Truthy under torch.compile: traced by dynamo, or run as plain Python by a compiled function. One C call, which
+    dynamo cannot trace (it warns and breaks the graph): where it traces a call to this function, it traces the one
+    below instead, which says True."""
     return _eval_frame_callback()
 
 
-def _traced_compiling() -> bool:
-    return True
-
-
-compiling._torchdynamo_inline = _traced_compiling  # type: ignore[attr-defined]
+compiling._torchdynamo_inline = lambda: True  # type: ignore[attr-defined]
 
 
 def compiled(
@@ -136,19 +126,16 @@ def compiled(
     strict: bool = False,
     skip_keys: Hashable | Collection[Hashable] | None = None,
 ) -> Any:
-    """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs).
-
-    Every option is checked as the eager move checks it, with its exception and message (``_problem``); ``coalesce``,
-    ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring).
-    """
-    error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, strict, skip_keys)
+    """What dynamo traces in place of :func:`todevice.move` (but for ``out=``, copied eagerly between two graphs). Every
+    option is checked as the eager move checks it, with its exception and message (``_problem``); ``coalesce``,
+    ``coalesce_max_bytes`` and ``stream`` are then ignored (see the module's docstring)."""
+    error, msg = _problem(device, non_blocking, dtype, coalesce, coalesce_max_bytes, None, strict, skip_keys)
     if error:  # raised in the graph: dynamo runs the call as plain Python, which raises it again
         raise (TypeError if error == "TypeError" else ValueError)(msg)
     if stream is not None:
         _stream.check_stream(stream)
-    dev = _target(device)
     skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-    h = _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), dtype, skip)
+    h = _How(_target(device), non_blocking, dtype, skip)
     out = h.walk(obj, h)
     if strict and h.unknown:
         # The eager check, which lists every object not understood: it looks at each type through
@@ -158,14 +145,13 @@ def compiled(
 
 
 def _problem(*options: Any) -> tuple[str, str]:
-    """What ``_options.check`` says of move()'s options but the stream (which dynamo cannot pass in as a constant):
+    """What ``_options.check`` says of move()'s options, the stream None (dynamo cannot pass one in as a constant):
     ``("", "")``, or the name and message of its error, which the graph raises. Dynamo runs this as plain Python and
     keeps its result as a constant (the mark below), so it never traces torch's parsing of a device string, which fails
     inside dynamo itself; where dynamo compiles this frame on its own instead, the check it calls is left alone."""
-    device, non_blocking, dtype, coalesce, max_bytes, strict, skip_keys = options
     check = torch.compiler.disable(_options.check)  # type: ignore[no-untyped-call]
     try:
-        check(device, non_blocking, dtype, coalesce, max_bytes, None, strict, skip_keys)
+        check(*options)
     except (TypeError, ValueError) as err:
         return type(err).__name__, str(err)
     return "", ""
@@ -189,9 +175,9 @@ class _How:
 
     __slots__ = ("aliases", "copies", "dev", "dtype", "fresh", "held", "memo", "nb", "skip", "unknown", "views", "walk")
 
-    def __init__(self, dev: torch.device, nb: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
-        self.dev, self.nb, self.dtype, self.skip = dev, nb, dtype, skip
-        # The one walk, as the eager move makes it, with this move's leaves and dynamo's view of the kinds.
+    def __init__(self, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None, skip: frozenset[Any]) -> None:
+        self.dev, self.dtype, self.skip = dev, dtype, skip
+        self.nb = _layout.asynchronous(non_blocking, dev, waited=False)
         self.walk = _walk.make(_layout.NEVER, _tensor, _leaf, _kind, _slot, skip, _kept).walk  # _one says what stays
         self.copies: dict[torch.Tensor, torch.Tensor] = {}
         self.memo: list[tuple[Any, Any]] = []
@@ -239,14 +225,13 @@ def _leaf(x: Any, code: int, h: _How) -> Any:
     if code == _tree.PACKED:
         return _unpacked(x, h)
     if code == _tree.SUBSET:
-        return _subset_outside_graph(x, h)
+        return _untraced_subset(x, h)
     h.unknown = True  # an nn.Module (its .to() moves in place: left as the eager move leaves it) or unknown
     return x
 
 
 def _kind(tp: type) -> _tree.Kind:
-    """The walk's ``kind_of``, as dynamo traces it: a registered or built-in container's rule, read from the dicts
-    that hold it by type; any other type's, or the form written for dynamo that its rule names (``_form``)."""
+    """The walk's ``kind_of`` as dynamo traces it: a registered or built-in container's rule, else by ``_form``."""
     kind = _tree._registry.get(tp) or _BUILTIN.get(tp)  # without the lock, as _tree reads it (kind_of takes it)
     if kind is not None:
         return kind
@@ -256,11 +241,10 @@ def _kind(tp: type) -> _tree.Kind:
 
 
 def _form(tp: type) -> int:
-    """Where ``_FORMS`` holds what the walk under torch.compile does with ``tp``: its kind's code for a leaf, the form
-    its rule names for a container, or NODE for a container taken by its own rule. Dynamo runs it while tracing and
-    puts its result in the graph as a constant (the mark below is what ``torch.compiler.assume_constant_result`` sets,
-    without importing dynamo here): the classification is not traced, so an unknown leaf, a numpy value or a path does
-    not break the graph. It guards on ``type(x)``."""
+    """Where ``_FORMS`` holds what the walk does with ``tp`` (NODE: a container taken by its own rule), a constant in
+    the graph (the mark below is what ``torch.compiler.assume_constant_result`` sets, without importing dynamo here):
+    the classification is not traced, so an unknown leaf, a numpy value or a path does not break the graph. It guards
+    on ``type(x)``."""
     kind = _tree.kind_of(tp)
     return kind.form if kind.code == _tree.NODE else kind.code
 
@@ -349,9 +333,7 @@ def _subset(x: Any, h: _How) -> Any:
 
 
 # Moved as plain Python: the graph breaks there (fullgraph=True raises).
-_subset_outside_graph = _outside_graph(
-    _subset, "todevice.move() of a set or frozenset subclass, which dynamo cannot make"
-)
+_untraced_subset = _outside_graph(_subset, "todevice.move() of a set or frozenset subclass, which dynamo cannot make")
 
 
 def _met(x: Any, h: _How) -> Any:
@@ -369,18 +351,15 @@ def _to_object(x: Any, h: _How) -> Any:
     if out is not None:
         return out
     tp = type(x)
-    target: Any = x
-    if not isinstance(x, torch.nn.utils.rnn.PackedSequence):
-        if not LISTS_ATTRIBUTES:
-            torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
-        target = _own_to.copy_for_to(x)
+    sequence = isinstance(x, torch.nn.utils.rnn.PackedSequence)
+    if not sequence and not LISTS_ATTRIBUTES:
+        torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
+    target = x if sequence else _own_to.copy_for_to(x)
     named: dict[str, Any] = {"non_blocking": h.nb} if _tree.to_takes(tp, "non_blocking") else {}  # eager's order
-    floating = not isinstance(x, torch.nn.utils.rnn.PackedSequence) or _options.casts(x.data)
-    if h.dtype is not None and _tree.to_takes(tp, "dtype") and floating:
+    if h.dtype is not None and _tree.to_takes(tp, "dtype") and (not sequence or _options.casts(x.data)):
         named["dtype"] = h.dtype
     out = target.to(h.dev, **named)
-    if out is None:  # a .to() that moves the object in place and returns nothing
-        out = target
+    out = target if out is None else out  # a .to() that moves the object in place and returns nothing
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
         _own_to.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
@@ -397,11 +376,9 @@ NOTHING_PACKED = _layout.Layout((), 0, (), ())
 def unpack(batch: Any, device: Any, non_blocking: bool) -> Any:
     """``PackedBatch.unpack()`` under torch.compile: its tensors moved one by one. A batch packed under torch.compile
     packed nothing (writing tensors of several dtypes into one byte buffer is an input mutation that inductor refuses,
-    and the copies are the compiler's to schedule anyway): its skeleton holds the tensors, which unpacking copies (those
-    that required grad as new leaves), as the eager unpack reads copies out of the buffer. A batch packed outside is
-    read as views of its buffer, which fill its slots."""
-    dev = _target(device)
-    return _unpacked(batch, _How(dev, _layout.asynchronous(non_blocking, dev, waited=False), None, frozenset()))
+    and the copies are the compiler's to schedule anyway): its skeleton holds the tensors, which unpacking copies, as
+    the eager unpack reads copies out of the buffer. A batch packed outside is read as views of its buffer."""
+    return _unpacked(batch, _How(_target(device), non_blocking, None, frozenset()))
 
 
 def _unpacked(batch: Any, h: _How) -> Any:
@@ -412,20 +389,18 @@ def _unpacked(batch: Any, h: _How) -> Any:
     lay = batch.layout
     outer = h.views, h.aliases, h.held, h.fresh  # a packed batch inside another's skeleton fills its own slots
     if not lay.order:
-        # Packed under torch.compile, its tensors are the structure's own: copied, as the eager unpack reads copies out
-        # of the buffer. Packed outside with every tensor left loose, they come back as they are, as eagerly.
+        # Packed under torch.compile: copied (see unpack). Packed outside, each tensor loose: as they are, as eagerly.
         h.fresh = lay is NOTHING_PACKED
     else:
         read = _layout.read(batch.buffer, lay)
         views = [_one(v, h) for v in read]
-        for k in batch.requires_grad:
-            views[k] = views[k].detach().requires_grad_()
         held = None
         if h.skip:  # the items to skip are filled where the buffer is, and nothing in them moves
             held = _How(batch.buffer.device, False, None, frozenset())
             held.views, held.aliases = read, {}
+        for made in (views, read) if h.skip else (views,):
             for k in batch.requires_grad:
-                read[k] = read[k].detach().requires_grad_()
+                made[k] = made[k].detach().requires_grad_()
         h.views, h.aliases, h.held, h.fresh = views, {}, held, False
     out = h.walk(batch.skeleton, h)
     h.views, h.aliases, h.held, h.fresh = outer
