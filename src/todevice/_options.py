@@ -63,7 +63,9 @@ def check_max_bytes(value: Any, what: str) -> None:
 
 
 def skip_set(skip_keys: Any) -> frozenset[Any]:
-    """The keys to skip: one key (a str, an int, any hashable value that is not a collection), or a collection."""
+    """The keys to skip: none for None, one key (a str, an int, any hashable but a collection), or a collection."""
+    if skip_keys is None:
+        return frozenset()
     try:
         if isinstance(skip_keys, (str, bytes)) or not isinstance(skip_keys, collections.abc.Iterable):
             return frozenset((skip_keys,))
@@ -108,4 +110,4 @@ def check(
     if stream is not None:
         _stream.check_stream(stream)
     check_bool(strict, "strict")
-    return dev, (frozenset() if skip_keys is None else skip_set(skip_keys))
+    return dev, skip_set(skip_keys)

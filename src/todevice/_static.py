@@ -89,7 +89,7 @@ class StaticBatch:
         if dtype is not None:
             _options.check_dtype(dtype)
         self.static = static
-        self._skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
+        self._skip = _options.skip_set(skip_keys)
         self._options = options
         self._copying = _into.Copying(non_blocking, dtype, None, _options.COALESCE_MAX_BYTES, find_step=False)
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these

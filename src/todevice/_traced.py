@@ -134,7 +134,7 @@ def compiled(
         raise (TypeError if error == "TypeError" else ValueError)(msg)
     if stream is not None:
         _stream.check_stream(stream)
-    skip = frozenset() if skip_keys is None else _options.skip_set(skip_keys)
+    skip = _options.skip_set(skip_keys)
     h = _How(_target(device), non_blocking, dtype, skip)
     out = h.walk(obj, h)
     if strict and h.unknown:

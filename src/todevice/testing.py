@@ -725,11 +725,6 @@ def _loses_type(tp: type) -> bool:
     return getattr(tp, "__torch_function__", None) is torch._C._disabled_torch_function_impl
 
 
-def _skip_set(skip_keys: Any) -> frozenset[str]:
-    """The keys to skip, read as move() reads them (the same TypeError for anything else)."""
-    return frozenset() if skip_keys is None else _options.skip_set(skip_keys)
-
-
 def _on(actual: torch.device, target: torch.device) -> bool:
     return actual.type == target.type and (target.index is None or actual.index == target.index)
 
@@ -1160,7 +1155,7 @@ def assert_moved(
 
     .. versionadded:: 0.2.0
     """
-    _Checker(_target(device), dtype, _skip_set(skip_keys)).run(result, source)
+    _Checker(_target(device), dtype, _options.skip_set(skip_keys)).run(result, source)
 
 
 # ---------------------------------------------------------------- compare()
