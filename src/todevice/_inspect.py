@@ -26,8 +26,9 @@ def _tensors(
     is looked into (``_own_to.inside``), a PackedBatch too (its buffer's views fill its slots). ``within``: the
     ``.to()`` objects being looked into, by id, with their paths: one that holds itself or its parent is a cycle."""
     if isinstance(obj, nn.Module):
-        yield from obj.named_parameters(prefix, remove_duplicate=False)  # each named prefix.name, or name
-        yield from obj.named_buffers(prefix, remove_duplicate=False)
+        sep = "." if prefix else ""
+        for name, t in [*obj.named_parameters(remove_duplicate=False), *obj.named_buffers(remove_duplicate=False)]:
+            yield f"{prefix}{sep}{name}", t
         return
     try:
         for path, node in _walk.paths(obj, revisit=True):
@@ -229,9 +230,10 @@ def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Find
 def _split(name: str, module: nn.Module) -> Iterator[Finding]:
     """Parameters and buffers of one module on more than one device (a model split across devices on
     purpose, one module per device, is not reported)."""
+    prefix = f"{name}." if name else ""
     split: dict[torch.device, list[str]] = {}
-    for n, t in [*module.named_parameters(name, recurse=False), *module.named_buffers(name, recurse=False)]:
-        split.setdefault(t.device, []).append(n)
+    for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        split.setdefault(t.device, []).append(prefix + n)
     if len(split) > 1:
         msg = f"{name or 'The module'} has parameters and buffers on {len(split)} devices ({_where(split)}). "
         yield Finding(name, "split-devices", msg + "Move the module whole with module.to(device).")
