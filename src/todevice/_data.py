@@ -198,7 +198,9 @@ def _window(
             while failed is None and len(pending) < depth:
                 try:
                     pending.append(start(next(source)))
-                except Exception as err:  # StopIteration too: the end
+                except StopIteration:  # the end; a new one, which keeps no frame of the source's alive
+                    failed = StopIteration()
+                except Exception as err:
                     failed = err
             if not pending:
                 break
