@@ -257,6 +257,32 @@ def test_prefetch_holds_at_most_depth_batches_beyond_the_one_in_use(
     assert len(counts) == 8 and max(counts) == depth + 1  # the one in use, and depth on their way
 
 
+def test_the_end_of_the_source_keeps_nothing_of_its_last_call_alive() -> None:
+    class Payload: ...
+
+    held: list[weakref.ref[Payload]] = []
+
+    class Source:
+        def __init__(self) -> None:
+            self.left = 2
+
+        def __iter__(self) -> Source:
+            return self
+
+        def __next__(self) -> int:
+            payload = Payload()  # a local of the call that ends the source
+            held.append(weakref.ref(payload))
+            if not self.left:
+                raise StopIteration
+            self.left -= 1
+            return self.left
+
+    window = _data._window(Source(), 3, lambda b: b, lambda b: b, lambda: None)
+    assert next(window) == 1  # the source has ended behind it, a batch still to come
+    assert len(held) == 3 and held[-1]() is None
+    assert list(window) == [0]
+
+
 def test_the_source_is_closed_even_when_abandoning_the_copies_fails() -> None:
     closed: list[bool] = []
 

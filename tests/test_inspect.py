@@ -41,6 +41,18 @@ def test_devices_of_a_module_inside_a_structure() -> None:
     assert found == {"['model'].weight": CPU, "['model'].bias": CPU, "['x']": META}
 
 
+class _NamesWithoutPrefix(nn.Linear):
+    """A module whose named_parameters() drops its prefix= argument, as some overrides do."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        return super().named_parameters(recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def test_a_module_s_tensors_are_named_by_their_path_whatever_its_named_parameters_does_with_prefix() -> None:
+    found = todevice.devices({"m": _NamesWithoutPrefix(1, 1)})
+    assert found == {"['m'].weight": CPU, "['m'].bias": CPU}
+
+
 def test_devices_of_a_bare_tensor() -> None:
     assert todevice.devices(meta(2)) == {"": META}
 
