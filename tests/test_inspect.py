@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -264,6 +265,33 @@ def test_diagnostics_of_a_cyclic_structure_say_so() -> None:
     for call in (todevice.devices, todevice.check):
         with pytest.raises(ValueError, match="Cannot inspect a cyclic structure"):
             call(cyc)
+
+
+def test_a_cycle_is_named_by_its_path_among_the_objects_checked() -> None:
+    cyc: list[Any] = [cpu(1)]
+    cyc.append(cyc)
+    with pytest.raises(ValueError, match=re.escape("the list at objs[1] contains itself at objs[1][1].")):
+        todevice.check(cpu(1), cyc)
+
+
+class _Holder:
+    """An object with its own .to(), which todevice looks into, holding a PackedBatch that holds it."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, Any] = {}
+
+    def to(self, *args: Any, **kwargs: Any) -> _Holder:
+        return self
+
+
+def test_a_to_object_held_by_a_packed_batch_it_holds_is_a_cycle() -> None:
+    holder = _Holder()
+    holder.items["p"] = todevice.pack({"h": holder, "x": cpu(2)})
+    for call in (todevice.devices, todevice.check):
+        with pytest.raises(
+            ValueError, match=re.escape("the _Holder at the top level contains itself at .items['p']['h']")
+        ):
+            call(holder)
 
 
 def test_a_container_reached_twice_is_listed_at_both_places() -> None:

@@ -37,18 +37,20 @@ def _tensors(
             elif views is not None and isinstance(node, _tree.Slot):
                 yield prefix + path, views[node]
             elif isinstance(node, PackedBatch):
-                yield from _tensors(node.skeleton, prefix + path, _layout.read(node.buffer, node.layout))
+                yield from _tensors(node.skeleton, prefix + path, _layout.read(node.buffer, node.layout), within)
             elif isinstance(node, nn.Module):
                 yield from _tensors(node, prefix + path)
             elif _tree.kind_of(type(node)).code == _tree.TO:
                 within = {} if within is None else within
-                if id(node) in within:
-                    raise _walk.CycleError(within[id(node)], prefix + path, node)
+                if id(node) in within:  # in itself, or in a PackedBatch it holds
+                    found = _walk.CycleError(within[id(node)], prefix + path, node)  # paths whole already
+                    raise ValueError(_walk.cycle_message(found, "inspect"))
                 within[id(node)] = prefix + path
                 for part, inner in _own_to.inside(node):
                     yield from _tensors(inner, prefix + path + part, within=within)
                 del within[id(node)]
-    except _walk.CycleError as cycle:
+    except _walk.CycleError as cycle:  # a container that holds itself, at paths inside obj
+        cycle = _walk.CycleError(prefix + cycle.first, prefix + cycle.repeat, cycle.node)
         raise ValueError(_walk.cycle_message(cycle, "inspect")) from None
 
 
