@@ -323,6 +323,46 @@ def test_a_to_object_gets_its_keywords_in_the_eager_move_s_order() -> None:
     assert KeywordsSeen.seen == [["non_blocking", "dtype"], ["non_blocking", "dtype"]]
 
 
+class Casts:
+    """A .to() that takes a dtype and casts every tensor it holds with it, integer ones too."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def to(self, device: Any, dtype: Any = None, non_blocking: bool = False) -> Casts:
+        return Casts(**{k: v.to(device, dtype, non_blocking=non_blocking) for k, v in self.tensors.items()})
+
+
+class TakesNoDtype(ReturnsNone):
+    def to(self, device: Any, non_blocking: bool = False) -> TakesNoDtype:  # type: ignore[override]
+        return TakesNoDtype(self.t.to(device, non_blocking=non_blocking))
+
+
+@helpers.traces
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_dtype_reaches_a_to_object_as_in_the_eager_move(fullgraph: bool) -> None:
+    """dtype= reaches a .to() only where the object holds floating-point tensors: its integer ones keep their dtype."""
+    move = lambda b: todevice.move(b, "meta", dtype=torch.float16)  # noqa: E731
+    batch = [Casts(i=torch.arange(2)), Casts(i=torch.arange(2), f=torch.ones(2))]
+    eager = move(batch)
+    if fullgraph and not _traced.LISTS_ATTRIBUTES:  # before torch 2.12 fullgraph refuses the shallow copy
+        return
+    out = compiled(move, fullgraph=fullgraph)(batch)
+    for got in (eager, out):
+        assert got[0].tensors["i"].dtype == torch.int64
+        assert got[1].tensors["i"].dtype == got[1].tensors["f"].dtype == torch.float16
+
+
+@helpers.traces
+def test_a_to_object_that_takes_no_dtype_but_holds_floats_is_refused_compiled_too() -> None:
+    message = "its .to() takes no dtype, and it holds floating-point tensors"
+    move = lambda b: todevice.move(b, "meta", dtype=torch.float16)  # noqa: E731
+    for step in (move, compiled(move)):
+        with pytest.raises(TypeError, match=re.escape(message)):
+            step({"o": TakesNoDtype(torch.ones(2))})
+    assert move({"o": TakesNoDtype(torch.arange(2))})["o"].t.dtype == torch.int64  # nothing to cast: moved
+
+
 class Plain:
     pass
 

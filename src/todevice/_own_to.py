@@ -16,7 +16,7 @@ import torch
 
 from todevice import _stream, _tree
 from todevice._options import cast_to, casts
-from todevice._walk import CycleError, LeafError, paths
+from todevice._walk import CycleError, KindOf, LeafError, paths
 
 
 def inside(obj: Any) -> Iterator[tuple[str, Any]]:
@@ -164,29 +164,41 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
     return on == dev or (on.type == dev.type and dev.index is None)
 
 
-def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
-    """``obj`` moved by its own ``.to()``, on a copy (``copy_for_to``); raises ``LeafError``. Where it holds floating or
-    complex tensors (``inside``), ``dtype=`` too, as ``nn.Module.to`` (a TypeError where it takes none, rather than
-    leave them uncast); else not, so its integer tensors keep their dtype whatever its ``.to()`` would do."""
+def to_keywords(
+    obj: Any, non_blocking: bool, dtype: torch.dtype | None, kind_of: KindOf | None = None
+) -> dict[str, Any]:
+    """What move() passes ``obj``'s own ``.to()`` beside the device, eager and compiled: ``non_blocking`` where it takes
+    it; then ``dtype`` where ``obj`` holds floating or complex tensors (``inside``), as ``nn.Module.to`` casts (a
+    TypeError where its ``.to()`` takes none, rather than leave them uncast), and else not, so its integer tensors
+    keep their dtype whatever its ``.to()`` would do."""
     tp = type(obj)
-    casts: dict[str, torch.dtype] = {}
-    if dtype is not None and _holds_floating(obj):
+    named: dict[str, Any] = {"non_blocking": non_blocking} if _tree.to_takes(tp, "non_blocking") else {}
+    if dtype is not None and _holds_floating(obj, kind_of):
         if not _tree.to_takes(tp, "dtype"):
             msg = (
                 f"its .to() takes no dtype, and it holds floating-point tensors that dtype={dtype} would cast. "
                 f"Cast them yourself, or move it without dtype= (skip_keys can leave it out)."
             )
-            raise LeafError(obj, TypeError(msg))
-        casts["dtype"] = dtype
+            raise TypeError(msg)
+        named["dtype"] = dtype
+    return named
+
+
+def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtype | None = None) -> Any:
+    """``obj`` moved by its own ``.to()``, on a copy (``copy_for_to``), with ``to_keywords``; raises ``LeafError``."""
+    try:
+        named = to_keywords(obj, non_blocking, dtype)
+    except TypeError as err:
+        raise LeafError(obj, err) from None
     target = copy_for_to(obj)
-    takes = {"non_blocking": non_blocking} if _tree.to_takes(tp, "non_blocking") else {}
     try:
         try:
-            out = target.to(dev, **takes, **casts)
+            out = target.to(dev, **named)
         except TypeError as err:
-            if not takes or "non_blocking" not in str(err):
+            if "non_blocking" not in named or "non_blocking" not in str(err):
                 raise
-            out = target.to(dev, **casts)
+            del named["non_blocking"]
+            out = target.to(dev, **named)
     except RecursionError:
         raise
     except Exception as err:
@@ -194,9 +206,10 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
     return target if out is None else out  # a .to() that moves the object in place and returns nothing
 
 
-def _holds_floating(obj: Any) -> bool:
+def _holds_floating(obj: Any, kind_of: KindOf | None) -> bool:
     try:
-        return any(isinstance(node, torch.Tensor) and casts(node) for _, node in paths([v for _, v in inside(obj)]))
+        tensors = paths([v for _, v in inside(obj)], kind_of=kind_of)
+        return any(isinstance(node, torch.Tensor) and casts(node) for _, node in tensors)
     except Exception:  # a cycle, or a container that cannot list its items: say it may, and let .to() decide
         return True
 

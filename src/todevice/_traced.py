@@ -345,8 +345,8 @@ def _met(x: Any, h: _How) -> Any:
 
 
 def _to_object(x: Any, h: _How) -> Any:
-    """An object with its own ``.to()``: moved by it on a shallow copy, as the eager move does (``_own_to.to_object``);
-    ``dtype=`` reaches a ``.to()`` that takes it, a PackedSequence's where its data is floating-point."""
+    """An object with its own ``.to()``: moved by it on a shallow copy, with the eager move's keywords
+    (``_own_to.to_object``)."""
     out = _met(x, h)
     if out is not None:
         return out
@@ -355,10 +355,7 @@ def _to_object(x: Any, h: _How) -> Any:
     if not sequence and not LISTS_ATTRIBUTES:
         torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
     target = x if sequence else _own_to.copy_for_to(x)
-    named: dict[str, Any] = {"non_blocking": h.nb} if _tree.to_takes(tp, "non_blocking") else {}  # eager's order
-    if h.dtype is not None and _tree.to_takes(tp, "dtype") and (not sequence or _options.casts(x.data)):
-        named["dtype"] = h.dtype
-    out = target.to(h.dev, **named)
+    out = target.to(h.dev, **_own_to.to_keywords(x, h.nb, h.dtype, _kind))
     out = target if out is None else out  # a .to() that moves the object in place and returns nothing
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip

@@ -16,6 +16,7 @@ from todevice import _tree
 
 _NODE, _TENSOR, _ATOM, _SLOT = _tree.NODE, _tree.TENSOR, _tree.ATOM, _tree.SLOT
 _Tensor = torch.Tensor
+KindOf = Callable[[type], _tree.Kind]
 
 
 class LeafError(Exception):
@@ -57,7 +58,7 @@ def make(
     keep: Callable[[torch.Tensor], bool],
     tensor: Callable[[torch.Tensor, Any], Any],
     leaf: Callable[[Any, int, Any], Any],
-    kind_of: Callable[[type], _tree.Kind],
+    kind_of: KindOf,
     slot: Callable[[Any, Any], Any] | None = None,
     skip: frozenset[Any] = frozenset(),
     held: Callable[[Any, Any], Any] = _as_it_is,
@@ -250,10 +251,13 @@ class CycleError(Exception):
         self.first, self.repeat, self.node = first, repeat, node
 
 
-def paths(obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset()) -> Iterator[tuple[str, Any]]:
+def paths(
+    obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset(), kind_of: KindOf | None = None
+) -> Iterator[tuple[str, Any]]:
     """Every (path, object) below ``obj``, depth first, without recursion, but items under ``skip``'s keys; one reached
-    again listed once (each time with ``revisit``); one containing itself raises ``CycleError`` at the repeat."""
-    return _nodes(obj, revisit, skip, "")
+    again listed once (each time with ``revisit``); one containing itself raises ``CycleError`` at the repeat. The
+    containers are told by ``kind_of`` (the compiled move's, under torch.compile), else ``_tree.kind_of``."""
+    return _nodes(obj, revisit, skip, "", kind_of or _tree.kind_of)
 
 
 Link = Any  # where a node sits: a path string, or (parent link, entry) to be joined only when one is wanted
@@ -268,7 +272,9 @@ def _joined(link: Link) -> str:
     return "".join(reversed(parts))
 
 
-def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> Iterator[tuple[Link, Any]]:
+def _nodes(
+    obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None, kind_of: KindOf = _tree.kind_of
+) -> Iterator[tuple[Link, Any]]:
     """``paths``' walk with links: from a string ``root``, paths built as each node is reached (as long as it is deep);
     else (parent link, entry) links, joined only where a path is named (a cycle, or the node looked for)."""
     text = isinstance(root, str)
@@ -284,7 +290,7 @@ def _nodes(obj: Any, revisit: bool, skip: frozenset[Any], root: Link = None) -> 
             done[id(node)] = node
             continue
         yield link, node
-        kind = _tree.kind_of(type(node))
+        kind = kind_of(type(node))
         if kind.code != _NODE:
             continue
         i = id(node)
