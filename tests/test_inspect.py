@@ -205,6 +205,23 @@ def test_guard_checks_structured_and_keyword_inputs() -> None:
     assert str(info.value).startswith("The top module (Takes) is on meta")
 
 
+def test_guard_names_a_module_given_as_input_by_its_path_and_its_tensors_names() -> None:
+    class Applies(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(meta(1))
+
+        def forward(self, other: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w  # ``other`` kept where it is, for later
+
+    module = Applies()
+    with todevice.guard(module), pytest.raises(todevice.DeviceMismatchError) as info:
+        module(nn.Linear(1, 1), meta(1))
+    assert "args[0].weight is on cpu, args[0].bias is on cpu" in str(info.value)
+    with todevice.guard(module, ignore=["args[0]"]):
+        assert module(nn.Linear(1, 1), meta(1)).is_meta
+
+
 def test_guard_lets_right_calls_through() -> None:
     net = Net()
     with todevice.guard(net):

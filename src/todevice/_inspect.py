@@ -345,4 +345,4 @@ class _Hook:
 def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     named = [*((f"args[{i}]", arg) for i, arg in enumerate(args)), *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]
     for name, arg in named:
-        yield from ((name + path, t) for path, t in _tensors(arg))
+        yield from _tensors(arg, name)  # a module's tensors by name + "." + qualified name
