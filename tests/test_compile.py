@@ -353,6 +353,21 @@ def test_dtype_reaches_a_to_object_as_in_the_eager_move(fullgraph: bool) -> None
         assert got[1].tensors["i"].dtype == got[1].tensors["f"].dtype == torch.float16
 
 
+class RefusesNonBlocking(ReturnsNone):
+    """A .to() whose signature takes any keyword, and refuses non_blocking when called."""
+
+    def to(self, device: Any, **kwargs: Any) -> RefusesNonBlocking:  # type: ignore[override]
+        if "non_blocking" in kwargs:
+            raise TypeError("to() got an unexpected keyword argument 'non_blocking'")
+        return RefusesNonBlocking(self.t.to(device, **kwargs))
+
+
+@helpers.traces
+def test_a_to_that_refuses_non_blocking_is_called_again_without_it_compiled_too() -> None:
+    out = fullgraph_where_traced(lambda b: todevice.move(b, "meta"), [RefusesNonBlocking(torch.ones(2))])
+    assert out[0].t.is_meta and todevice.move([RefusesNonBlocking(torch.ones(2))], "meta")[0].t.is_meta
+
+
 @helpers.traces
 def test_a_to_object_that_takes_no_dtype_but_holds_floats_is_refused_compiled_too() -> None:
     message = "its .to() takes no dtype, and it holds floating-point tensors"

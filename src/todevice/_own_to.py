@@ -192,18 +192,24 @@ def to_object(obj: Any, dev: torch.device, non_blocking: bool, dtype: torch.dtyp
         raise LeafError(obj, err) from None
     target = copy_for_to(obj)
     try:
-        try:
-            out = target.to(dev, **named)
-        except TypeError as err:
-            if "non_blocking" not in named or "non_blocking" not in str(err):
-                raise
-            del named["non_blocking"]
-            out = target.to(dev, **named)
+        return moved_by_to(target, dev, named)
     except RecursionError:
         raise
     except Exception as err:
         raise LeafError(obj, err) from err
-    return target if out is None else out  # a .to() that moves the object in place and returns nothing
+
+
+def moved_by_to(target: Any, dev: torch.device, named: dict[str, Any]) -> Any:
+    """``target.to(dev, **named)``, again without ``non_blocking`` where the call refuses it (a ``.to()`` whose
+    signature takes any keyword and passes them on); ``target`` itself where ``.to()`` moves it in place and returns
+    nothing."""
+    try:
+        out = target.to(dev, **named)
+    except TypeError as err:
+        if "non_blocking" not in named or "non_blocking" not in str(err):
+            raise
+        out = target.to(dev, **{k: v for k, v in named.items() if k != "non_blocking"})
+    return target if out is None else out
 
 
 def _holds_floating(obj: Any, kind_of: KindOf | None) -> bool:

@@ -355,8 +355,7 @@ def _to_object(x: Any, h: _How) -> Any:
     if not sequence and not LISTS_ATTRIBUTES:
         torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
     target = x if sequence else _own_to.copy_for_to(x)
-    out = target.to(h.dev, **_own_to.to_keywords(x, h.nb, h.dtype, _kind))
-    out = target if out is None else out  # a .to() that moves the object in place and returns nothing
+    out = _own_to.moved_by_to(target, h.dev, _own_to.to_keywords(x, h.nb, h.dtype, _kind))
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
         _own_to.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
