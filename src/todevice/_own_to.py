@@ -77,7 +77,7 @@ def copy_for_to(obj: Any) -> Any:
 def _state(obj: Any) -> Any:
     """``obj.__dict__`` as stored (no ``__getattr__`` of the class runs), or None."""
     if torch.compiler.is_dynamo_compiling():  # dynamo reads it as the class does, and cannot call the slot itself
-        return getattr(obj, "__dict__", None)
+        return obj.__dict__ if type(obj).__dictoffset__ else None  # dynamo 2.11 raises where getattr has a default
     try:
         return object.__getattribute__(obj, "__dict__")
     except Exception:  # slots only, or a __dict__ property that raises (a proxy's)

@@ -325,6 +325,14 @@ def _too_old(tp: type, what: str) -> str:
 _too_old._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _copied_outside(tp: type) -> str:
+    """Why the graph breaks at a dict, list or set subclass with its own ``.to()``."""
+    return f"todevice.move() copies each {tp.__qualname__} (a container subclass with its own .to()) outside the graph"
+
+
+_copied_outside._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def _subset(x: Any, h: _How) -> Any:
     """A set or frozenset subclass, by its rule: made with its base's ``__new__``, which dynamo fails on."""
     kind = _tree.kind_of(type(x))
@@ -354,7 +362,11 @@ def _to_object(x: Any, h: _How) -> Any:
     sequence = isinstance(x, torch.nn.utils.rnn.PackedSequence)
     if not sequence and not LISTS_ATTRIBUTES:
         torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
-    target = x if sequence else _own_to.copy_for_to(x)
+    copy = _own_to.copy_for_to
+    if isinstance(x, (dict, list, set)):  # dynamo's copy.copy of one loses its items (torch 2.13): made outside
+        torch._dynamo.graph_break(msg=_copied_outside(tp))  # under fullgraph=True, raised with this message
+        copy = torch.compiler.disable(copy)  # type: ignore[no-untyped-call]
+    target = x if sequence else copy(x)
     out = _own_to.moved_by_to(target, h.dev, _own_to.to_keywords(x, h.nb, h.dtype, _kind))
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
