@@ -363,6 +363,16 @@ class ListWithTo(list):  # type: ignore[type-arg]
         return ListWithTo([v.to(device, dtype, non_blocking=non_blocking) for v in self])
 
 
+class FrozensetWithTo(frozenset):  # type: ignore[type-arg]
+    def to(self, device: Any, dtype: Any = None, non_blocking: bool = False) -> FrozensetWithTo:
+        return FrozensetWithTo([v.to(device, dtype, non_blocking=non_blocking) for v in self])
+
+
+class TupleWithTo(tuple):  # type: ignore[type-arg]
+    def to(self, device: Any, dtype: Any = None, non_blocking: bool = False) -> TupleWithTo:
+        return TupleWithTo([v.to(device, dtype, non_blocking=non_blocking) for v in self])
+
+
 class SlotsWithTo:
     __slots__ = ("t",)
 
@@ -374,22 +384,28 @@ class SlotsWithTo:
 
 
 @helpers.traces
-def test_a_dict_or_list_subclass_with_its_own_to_keeps_its_items_compiled() -> None:
-    """Dynamo's copy of a dict or list subclass loses its items (torch 2.13): the copy is made outside the graph."""
+@pytest.mark.parametrize(
+    "made",
+    [
+        lambda: DictWithTo(a=torch.ones(2)),
+        lambda: ListWithTo([torch.ones(2)]),
+        lambda: FrozensetWithTo([torch.ones(2)]),
+        lambda: TupleWithTo([torch.ones(2)]),
+    ],
+    ids=["dict", "list", "frozenset", "tuple"],
+)
+def test_a_container_subclass_with_its_own_to_keeps_its_items_compiled(made: Callable[[], Any]) -> None:
+    """Dynamo's copy of a built-in container's subclass loses its items, or fails for a tuple's (torch 2.13): the copy
+    is made outside the graph."""
     move = lambda b: todevice.move(b, "meta")  # noqa: E731
-    for made in (lambda: DictWithTo(a=torch.ones(2)), lambda: ListWithTo([torch.ones(2)])):
-        torch._dynamo.reset()
-        out = compiled(move)(made())
-        assert (
-            type(out) is type(made())
-            and len(out) == 1
-            and next(iter(out.values() if isinstance(out, dict) else out)).is_meta
-        )
-        torch._dynamo.reset()
-        # Before torch 2.12 the graph breaks earlier, at the shallow copy every such object gets.
-        why = r"container subclass with its own \.to\(\)" if _traced.LISTS_ATTRIBUTES else r"dynamo before torch 2\.12"
-        with pytest.raises(torch._dynamo.exc.Unsupported, match=why):
-            compiled(move, fullgraph=True)(made())
+    out = compiled(move)(made())
+    assert type(out) is type(made()) and len(out) == 1
+    assert next(iter(out.values() if isinstance(out, dict) else out)).is_meta
+    torch._dynamo.reset()
+    # Before torch 2.12 the graph breaks earlier, at the shallow copy every such object gets.
+    why = r"container subclass with its own \.to\(\)" if _traced.LISTS_ATTRIBUTES else r"dynamo before torch 2\.12"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=why):
+        compiled(move, fullgraph=True)(made())
 
 
 @helpers.traces
@@ -415,10 +431,10 @@ def test_a_to_that_refuses_non_blocking_is_called_again_without_it_compiled_too(
 
 @helpers.traces
 def test_a_to_object_that_takes_no_dtype_but_holds_floats_is_refused_compiled_too() -> None:
-    message = "its .to() takes no dtype, and it holds floating-point tensors"
+    message = ": its .to() takes no dtype, and it holds floating-point tensors"
     move = lambda b: todevice.move(b, "meta", dtype=torch.float16)  # noqa: E731
-    for step in (move, compiled(move)):
-        with pytest.raises(TypeError, match=re.escape(message)):
+    for step, where in ((move, "['o'] (TakesNoDtype)"), (compiled(move), "a TakesNoDtype")):  # compiled: no path
+        with pytest.raises(TypeError, match=f"^{re.escape(f'Cannot move {where} to meta{message}')}"):
             step({"o": TakesNoDtype(torch.ones(2))})
     assert move({"o": TakesNoDtype(torch.arange(2))})["o"].t.dtype == torch.int64  # nothing to cast: moved
 

@@ -312,7 +312,7 @@ def sent(
     tensors: list[torch.Tensor], lay: Layout, cast: torch.dtype | None, dev: torch.device, send: Callable[..., Any]
 ) -> list[torch.Tensor]:
     """``tensors`` written into host staging buffers for ``dev``, each handed to ``send``, which gives back its views:
-    in runs of at most ``COALESCED_MAX_BYTES``, one buffer and one copy each."""
+    in runs of at most ``COALESCED_MAX_BYTES`` (what one kept view holds alive), one buffer and one copy each."""
     runs = [(tensors, lay)]
     if lay.nbytes > COALESCED_MAX_BYTES:
         runs, start, nbytes = [], 0, 0

@@ -326,7 +326,7 @@ _too_old._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _copied_outside(tp: type) -> str:
-    """Why the graph breaks at a dict, list or set subclass with its own ``.to()``."""
+    """Why the graph breaks at a built-in container's subclass with its own ``.to()``."""
     return f"todevice.move() copies each {tp.__qualname__} (a container subclass with its own .to()) outside the graph"
 
 
@@ -363,11 +363,17 @@ def _to_object(x: Any, h: _How) -> Any:
     if not sequence and not LISTS_ATTRIBUTES:
         torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
     copy = _own_to.copy_for_to
-    if isinstance(x, (dict, list, set)):  # dynamo's copy.copy of one loses its items (torch 2.13): made outside
+    # Dynamo's copy.copy of a built-in container's subclass loses its items, or fails (a tuple's; torch 2.13): made
+    # outside the graph. A namedtuple's copy traces.
+    if isinstance(x, (dict, list, set, frozenset, tuple)) and not hasattr(x, "_fields"):
         torch._dynamo.graph_break(msg=_copied_outside(tp))  # under fullgraph=True, raised with this message
         copy = torch.compiler.disable(copy)  # type: ignore[no-untyped-call]
+    try:
+        named = _own_to.to_keywords(x, h.nb, h.dtype, _kind)
+    except TypeError as err:  # the eager move's message, without the path, which this walk does not keep
+        raise TypeError(f"Cannot move a {tp.__qualname__} to {h.dev}: {err}") from None
     target = x if sequence else copy(x)
-    out = _own_to.moved_by_to(target, h.dev, _own_to.to_keywords(x, h.nb, h.dtype, _kind))
+    out = _own_to.moved_by_to(target, h.dev, named)
     h.memo.append((x, out))  # before its items are walked: one that holds x itself gets out
     if _tree.to_mapping(tp):  # what its .to() left: containers in it, and keys to skip
         _own_to.rest_of_mapping(x, out, h.skip, lambda v: h.walk(v, h), h.copies.setdefault, h.dev, h.dtype)
