@@ -219,13 +219,14 @@ def _in_container(where: str, value: Any, registered: set[int]) -> Iterator[Find
     kind = type(value).__name__
     for path, node in _walk.paths(value):
         if isinstance(node, torch.Tensor) and id(node) not in registered:  # not a view of a parameter (RNNs)
-            what = f"a tensor on {node.device}"
-            fix = "it. Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a buffer."
+            what, moved = f"a tensor on {node.device}", "it"
+            fix = "Use nn.ParameterList or nn.ParameterDict for parameters, or register each tensor as a buffer."
         elif isinstance(node, nn.Module) and any(id(p) not in registered for p in node.parameters()):
-            what, fix = f"a {type(node).__name__}", "its parameters and buffers. Use nn.ModuleList or nn.ModuleDict."
+            what, moved = f"a {type(node).__name__}", "its parameters and buffers"
+            fix = "Use nn.ModuleList or nn.ModuleDict."
         else:
             continue
-        msg = f"{where}{path} is {what} in a plain {kind} attribute: Module.to() will not move {fix}"
+        msg = f"{where}{path} is {what} in a plain {kind} attribute: Module.to() will not move {moved}. {fix}"
         yield Finding(where + path, "tensor-in-container", msg)
 
 
