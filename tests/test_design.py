@@ -266,7 +266,6 @@ TAKES_PLAIN_CONTAINERS_APART = {
     "_own_to._copy_plain_containers": "no batch walk: the same, at any depth",
     "_own_to._items": "no batch walk: a UserDict's own dict, read in C",
     "_passed.left_behind": "no batch walk: an object's __dict__, looked at for tensors left behind",
-    "_traced._to_object": "no batch walk: a built-in container's subclass with a .to() copied outside dynamo's graph",
 }
 
 

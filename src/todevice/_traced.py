@@ -363,9 +363,9 @@ def _to_object(x: Any, h: _How) -> Any:
     if not sequence and not LISTS_ATTRIBUTES:
         torch._dynamo.graph_break(msg=_too_old(tp, "makes a shallow copy of"))
     copy = _own_to.copy_for_to
-    # Dynamo's copy.copy of a built-in container's subclass loses its items, or fails (a tuple's; torch 2.13): made
-    # outside the graph. A namedtuple's copy traces.
-    if isinstance(x, (dict, list, set, frozenset, tuple)) and not hasattr(x, "_fields"):
+    # Dynamo's copy.copy of a built-in container's subclass (its rule's base) loses its items, or fails (a tuple's, a
+    # deque's; torch 2.13): made outside the graph. A namedtuple's copy traces.
+    if _tree._container_base(tp) is not None and not hasattr(x, "_fields"):
         torch._dynamo.graph_break(msg=_copied_outside(tp))  # under fullgraph=True, raised with this message
         copy = torch.compiler.disable(copy)  # type: ignore[no-untyped-call]
     try:
