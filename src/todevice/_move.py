@@ -562,28 +562,27 @@ def _batch(obj: Any, s: State) -> Any:
             pass  # the walk handles or reports it
         except LeafError as failure:
             _walk.explain(failure, obj, p.dev, skip=p.skip)
+    if taken is None or (gather and len(taken.tensors) < 2):  # a single tensor to gather goes alone
+        return _walked(obj, s, obj)
+    s.taken = small = taken.tensors  # the tensors behind the slots' views
     views: Callable[[], list[torch.Tensor]] | None = None  # what fills the skeleton's slots
-    if taken is not None and not (gather and len(taken.tensors) < 2):  # a single tensor to gather goes alone
-        s.taken = small = taken.tensors  # the tensors behind the slots' views
+    if gather:
+        copied, order = functools.partial(_copied, s=s), functools.partial(_order, s=s)
+        views = functools.partial(_back.gathered_back, taken, p.dtype, copied, order, s.buffers)
+    else:
+        # Host tensors sent as _layout.sending decides from what the batch holds: the small ones together through one
+        # (pinned) buffer, or each alone; those alone straight, or all through one pinned buffer where the driver would
+        # wait for queued work (the skeleton's walk takes those copies).
         alone = taken.alone
-        if gather:
-            copied, order = functools.partial(_copied, s=s), functools.partial(_order, s=s)
-            views = lambda: _back.gathered_back(taken, p.dtype, copied, order, s.buffers)  # noqa: E731
-        else:
-            # Host tensors sent as _layout.sending decides from what the batch holds: the small ones together through
-            # one (pinned) buffer, or each alone; those alone straight, or all through one pinned buffer where the
-            # driver would wait for queued work (the skeleton's walk takes those copies).
-            n_alone = sum(map(_layout.nbytes, alone))
-            how = _layout.sending(len(small), taken.layout.nbytes, len(alone), n_alone, coalesce)
-            s.planned = bool(small or alone)  # else a PackedBatch's loose tensors: each staged by itself where it pays
-            if how.staged and p.stage:
-                s.made.update(_layout.stage(alone if how.together else [*small, *alone], p.dev, p.dtype))
-            if small and how.together:
-                send = functools.partial(_send, s)
-                views = lambda: _layout.sent(small, taken.layout, p.dtype, p.dev, send)  # noqa: E731
-            elif small:
-                views = lambda: [_copied(t, s) for t in small]  # noqa: E731
-    return _walked(obj if views is None else taken.skeleton, s, obj, views)  # type: ignore[union-attr]
+        how = _layout.sending(len(small), taken.layout.nbytes, len(alone), sum(map(_layout.nbytes, alone)), coalesce)
+        s.planned = bool(small or alone)  # else a PackedBatch's loose tensors: each staged by itself where it pays
+        if how.staged and p.stage:
+            s.made.update(_layout.stage(alone if how.together else [*small, *alone], p.dev, p.dtype))
+        if small and how.together:
+            views = functools.partial(_layout.sent, small, taken.layout, p.dtype, p.dev, functools.partial(_send, s))
+        elif small:
+            views = lambda: [_copied(t, s) for t in small]  # noqa: E731
+    return _walked(obj if views is None else taken.skeleton, s, obj, views)
 
 
 def _send(s: State, buffer: torch.Tensor, lay: _layout.Layout) -> list[torch.Tensor]:
