@@ -43,7 +43,7 @@ def _tensors(
             elif _tree.kind_of(type(node)).code == _tree.TO:
                 within = {} if within is None else within
                 if id(node) in within:  # in itself, or in a PackedBatch it holds
-                    found = _walk.CycleError(within[id(node)], prefix + path, node)  # paths whole already
+                    found = _walk.CycleError(within[id(node)], prefix + path, node)  # within's paths have the prefix
                     raise ValueError(_walk.cycle_message(found, "inspect"))
                 within[id(node)] = prefix + path
                 for part, inner in _own_to.inside(node):
@@ -346,4 +346,4 @@ class _Hook:
 def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     named = [*((f"args[{i}]", arg) for i, arg in enumerate(args)), *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]
     for name, arg in named:
-        yield from _tensors(arg, name)  # a module's tensors by name + "." + qualified name
+        yield from _tensors(arg, name)

@@ -165,7 +165,7 @@ def _as_moved(t: torch.Tensor, out: torch.Tensor, dev: torch.device, dtype: torc
 
 
 def to_keywords(
-    obj: Any, non_blocking: bool, dtype: torch.dtype | None, kind_of: KindOf | None = None
+    obj: Any, non_blocking: bool, dtype: torch.dtype | None, kind_of: KindOf = _tree.kind_of
 ) -> dict[str, Any]:
     """What move() passes ``obj``'s own ``.to()`` beside the device, eager and compiled: ``non_blocking`` where it takes
     it; then ``dtype`` where ``obj`` holds floating or complex tensors (``inside``), as ``nn.Module.to`` casts (a
@@ -212,7 +212,7 @@ def moved_by_to(target: Any, dev: torch.device, named: dict[str, Any]) -> Any:
     return target if out is None else out
 
 
-def _holds_floating(obj: Any, kind_of: KindOf | None) -> bool:
+def _holds_floating(obj: Any, kind_of: KindOf) -> bool:
     try:
         tensors = paths([v for _, v in inside(obj)], kind_of=kind_of)
         return any(isinstance(node, torch.Tensor) and casts(node) for _, node in tensors)

@@ -90,7 +90,7 @@ class StaticBatch:
             _options.check_dtype(dtype)
         self.static = static
         self._skip = _options.skip_set(skip_keys)
-        self._options = options
+        self._options, self._strict = options, strict
         self._copying = _into.Copying(non_blocking, dtype, None, _options.COALESCE_MAX_BYTES, find_step=False)
         self._keys = list(static) if type(static) is dict and not self._skip else None  # the batch read by these
         self._targets = _walk.paired(static, static, self._skip)[1]
@@ -113,7 +113,7 @@ class StaticBatch:
             ValueError: as ``move(batch, out=static)`` raises, naming the path, with nothing written;
                 or the static tensors were changed behind the handle.
         """
-        if self._options[2]:  # strict
+        if self._strict:
             _passed.refuse_unknown(batch, self._skip)
         step, tried = self._step, False
         if step is not None:

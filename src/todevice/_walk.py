@@ -252,12 +252,12 @@ class CycleError(Exception):
 
 
 def paths(
-    obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset(), kind_of: KindOf | None = None
+    obj: Any, *, revisit: bool = False, skip: frozenset[Any] = frozenset(), kind_of: KindOf = _tree.kind_of
 ) -> Iterator[tuple[str, Any]]:
     """Every (path, object) below ``obj``, depth first, without recursion, but items under ``skip``'s keys; one reached
     again listed once (each time with ``revisit``); one containing itself raises ``CycleError`` at the repeat. The
-    containers are told by ``kind_of`` (the compiled move's, under torch.compile), else ``_tree.kind_of``."""
-    return _nodes(obj, revisit, skip, "", kind_of or _tree.kind_of)
+    containers are told by ``kind_of`` (the compiled move's, under torch.compile)."""
+    return _nodes(obj, revisit, skip, "", kind_of)
 
 
 Link = Any  # where a node sits: a path string, or (parent link, entry) to be joined only when one is wanted
